@@ -1,0 +1,27 @@
+"""eesd-local: lossless speculative decoding on llama.cpp.
+
+    import eesd_local
+    with eesd_local.load("qwen2.5-coder-0.5b-instruct", drafter="lookup") as llm:
+        out = llm.create_chat_completion([{"role": "user", "content": "Reverse a string in Python"}])
+        print(out["choices"][0]["message"]["content"], out["speculation"]["tau"])
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .errors import EesdError
+
+__all__ = ["EesdError", "load", "Engine", "EngineConfig"]
+
+if TYPE_CHECKING:
+    from .engine import Engine, EngineConfig
+
+
+def __getattr__(name: str) -> Any:
+    # the engine pulls in llama.cpp; import it only when asked for
+    if name in ("load", "Engine", "EngineConfig"):
+        from . import engine
+
+        return getattr(engine, name)
+    raise AttributeError(name)

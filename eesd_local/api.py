@@ -1,0 +1,101 @@
+"""OpenAI-shaped completions on top of :meth:`Engine.generate`, as llama-cpp-python users know them."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from .events import FinishEvent, TokenEvent
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+def _cut_stop(text: str, stop: list[str]) -> tuple[str, bool]:
+    """Text up to the first stop string, and whether one was found."""
+    cut = min((i for i in (text.find(s) for s in stop if s) if i >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+def _usage(fin: FinishEvent) -> dict[str, Any]:
+    s = fin.stats
+    return {"prompt_tokens": s.n_prompt, "completion_tokens": s.n_generated, "total_tokens": s.n_prompt + s.n_generated}
+
+
+def _speculation(fin: FinishEvent) -> dict[str, Any]:
+    s = fin.stats
+    return {
+        "drafter": s.drafter, "controller": s.controller, "rounds": s.n_rounds, "drafted": s.n_drafted,
+        "accepted": s.n_accepted, "acceptance_rate": s.acceptance_rate, "tau": s.tau, "tokens_per_s": s.tokens_per_s,
+        "acceptance_by_position": s.acceptance_by_position,
+    }
+
+
+def completion(engine: Engine, prompt: Any, *, chat: bool, max_tokens: int, temperature: float, top_p: float, top_k: int,
+               seed: int | None, stop: list[str] | str | None, stream: bool) -> Any:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    text_prompt = engine.apply_chat_template(prompt) if chat else prompt
+    events = engine.generate(text_prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                             seed=seed, stop=stops)
+    ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    created = int(time.time())
+    model = engine.model_path.name
+    obj = "chat.completion" if chat else "text_completion"
+    if stream:
+        return _stream(events, ident, created, model, obj, chat, stops)
+    fin = None
+    for ev in events:
+        if isinstance(ev, FinishEvent):
+            fin = ev
+    assert fin is not None
+    text, cut = _cut_stop(fin.text, stops)
+    reason = "stop" if cut else ("length" if fin.reason == "length" else "stop")
+    choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": text}
+    else:
+        choice["text"] = text
+    return {"id": ident, "object": obj, "created": created, "model": model, "choices": [choice],
+            "usage": _usage(fin), "speculation": _speculation(fin)}
+
+
+def _stream(events: Iterator[Any], ident: str, created: int, model: str, obj: str, chat: bool,
+            stops: list[str]) -> Iterator[dict[str, Any]]:
+    """Chunks as text arrives; text that could start a stop string is held back until it cannot."""
+    sent = ""
+    full = ""
+    hold = max((len(s) for s in stops), default=1) - 1
+
+    def chunk(piece: str, reason: str | None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        if chat:
+            choice: dict[str, Any] = {"index": 0, "delta": {"content": piece} if piece else {}, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": piece, "finish_reason": reason, "logprobs": None}
+        out = {"id": ident, "object": obj + ".chunk" if chat else obj, "created": created, "model": model, "choices": [choice]}
+        if extra:
+            out.update(extra)
+        return out
+
+    if chat:
+        yield {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
+               "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
+    try:
+        for ev in events:
+            if isinstance(ev, TokenEvent):
+                full += ev.text
+                visible, cut = _cut_stop(full, stops)
+                safe = len(visible) if cut else max(len(sent), len(visible) - hold)
+                if safe > len(sent):
+                    yield chunk(visible[len(sent):safe], None)
+                    sent = visible[:safe]
+            elif isinstance(ev, FinishEvent):
+                visible, cut = _cut_stop(ev.text, stops)
+                rest = visible[len(sent):]
+                reason = "stop" if cut else ("length" if ev.reason == "length" else "stop")
+                yield chunk(rest, reason, {"usage": _usage(ev), "speculation": _speculation(ev)})
+    finally:
+        close = getattr(events, "close", None)
+        if close:
+            close()

@@ -1,0 +1,67 @@
+"""``eesd``: one entry point, one sub-command module per tool.
+
+Each module in :data:`COMMAND_MODULES` has ``register(subparsers)`` that adds its
+parsers with ``set_defaults(func=...)``; ``func(args)`` returns an exit code. ``main``
+only parses and turns :class:`EesdError` into a clean message with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from .errors import EesdError
+
+COMMAND_MODULES = [
+    "eesd_local.commands.models",
+    "eesd_local.commands.generate",
+    "eesd_local.commands.convert",
+    "eesd_local.commands.simulate",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eesd", description="Lossless speculative decoding on llama.cpp.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("eesd-local")
+    except PackageNotFoundError:
+        return "0+checkout"
+
+
+def report_error(exc: EesdError) -> None:
+    print(f"eesd: error: {exc.message}", file=sys.stderr)
+    if exc.hint:
+        print(f"  hint: {exc.hint}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except EesdError as exc:
+        report_error(exc)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("\neesd: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `eesd generate ... | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

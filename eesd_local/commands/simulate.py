@@ -1,0 +1,60 @@
+"""``eesd simulate``: draft-length controllers on synthetic rounds (no model needed)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..errors import EesdError
+from ..simulator import PROCESSES, PROFILES, TABLE_CONTROLLERS, decision_cost, table
+
+
+def _names(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--controllers", default=",".join(TABLE_CONTROLLERS), help="comma-separated controller specs (default: %(default)s)")
+    p.add_argument("--processes", default=",".join(PROCESSES), help="comma-separated acceptance processes (default: %(default)s)")
+    p.add_argument("--profiles", default=",".join(PROFILES), help="comma-separated cost profiles (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=4000, help="rounds per run (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the controllers and the process (default: %(default)s)")
+    p.add_argument("--max-draft", type=int, default=8, help="longest draft (default: %(default)s)")
+    p.add_argument("--no-adapt", dest="adapt", action="store_false", help="skip the rounds-to-adapt table after regime switches")
+    p.add_argument("--timing", action="store_true", help="also measure what a controller decision costs")
+
+
+def epilog() -> str:
+    lines = ["processes:"] + [f"  {n:10s} {p.about}" for n, p in PROCESSES.items()]
+    lines += ["cost profiles:"] + [f"  {n:10s} {p.about}" for n, p in PROFILES.items()]
+    return "\n".join(lines)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="compare draft-length controllers on synthetic acceptance processes",
+        description="Throughput of each controller relative to the best fixed draft length in hindsight.",
+        epilog=epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    controllers, processes, profiles = _names(args.controllers), _names(args.processes), _names(args.profiles)
+    for kind, names, known in (("process", processes, PROCESSES), ("cost profile", profiles, PROFILES)):
+        bad = [n for n in names if n not in known]
+        if bad or not names:
+            raise EesdError(f"unknown {kind} {', '.join(bad) or '(none given)'}", hint=f"choose from {', '.join(known)}")
+    if args.rounds < 100:
+        raise EesdError(f"--rounds {args.rounds} is too few to compare controllers", hint="use 1000 or more")
+    print(table(controllers, processes, profiles, rounds=args.rounds, seed=args.seed, max_draft=args.max_draft, adapt=args.adapt))
+    if args.timing:
+        print()
+        print("decision cost, compiled (ns): per draft_more in a Numba loop | per whole round (begin + decisions + update) "
+              "| per draft_more called from Python")
+        for spec in controllers:
+            c = decision_cost(spec, max_draft=args.max_draft)
+            print(f"  {spec:22s} {c['decide_ns']:8.0f} | {c['round_ns']:8.0f} ({c['decisions_per_round']:.1f} decisions) | {c['python_call_ns']:8.0f}")
+    return 0

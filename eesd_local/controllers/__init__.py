@@ -1,0 +1,191 @@
+"""Draft-length controllers: how many tokens to draft in each speculative round.
+
+The engine asks ``draft_more(step, confidence)`` before every draft step and reports
+each round's outcome to ``end_round``. Every controller is one float64 state array plus
+three Numba kernels (:mod:`.kernels`): a compiled decision costs 0.05-0.3 us (about 1 us
+with the call from Python), and the native loop can call the same code later. Same spec
+and seed, same decisions, compiled or not.
+
+Specs: ``beta-ts``, ``calibration-ts``, ``cost-ts`` (Thompson sampling, see
+:mod:`.thompson`), ``beta-ts:paper`` and ``calibration-ts:paper`` (the EESD paper's
+Bernoulli rule, for comparison), ``fixed:K``, ``pmin:P`` (llama.cpp's p_min, default
+0.75) and ``heuristic`` (+2 when all drafts were accepted, -1 otherwise).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..errors import EesdError
+from .jitcache import install as _install_jit_cache
+
+_install_jit_cache()  # before any kernel module compiles: see jitcache.py
+
+from . import layout as L  # noqa: E402
+from .baselines import HEURISTIC_START  # noqa: E402
+from .kernels import controller_begin, controller_decide, controller_update  # noqa: E402
+from .rng import seed_words  # noqa: E402
+from .thompson import BIN_PRIOR, bin_prior_mean  # noqa: E402
+
+CONTROLLER_CHOICES = ["cost-ts", "beta-ts", "calibration-ts", "fixed:K", "pmin:P", "heuristic"]
+DEFAULT_CONTROLLER = "cost-ts"  # best in `eesd simulate` on every process and cost profile; see module docs
+DEFAULT_PMIN = 0.75  # llama.cpp's default p_min for greedy speculative decoding
+TS_EPS = 0.01  # a round that plans no draft drafts one token with this chance
+TS_FORGET = 0.99  # theta_1 keeps ~100 observations: it follows a change of regime in ~50-130 rounds (simulator)
+
+_THOMPSON = {
+    # name: (rule, use_bins, batch_costs)
+    "beta-ts": (0, 0, 0),
+    "calibration-ts": (0, 1, 0),
+    "cost-ts": (0, 1, 1),
+    "beta-ts:paper": (1, 0, 0),
+    "calibration-ts:paper": (1, 1, 0),
+}
+
+
+class Controller:
+    """A draft-length controller: a spec name and the state its kernels update in place."""
+
+    def __init__(self, name: str, state: np.ndarray) -> None:
+        self.name = name
+        self.max_draft = int(state[L.MAX_DRAFT])
+        self.state = state
+
+    def begin_round(self) -> None:
+        controller_begin(self.state)
+
+    def draft_more(self, step: int, confidence: float) -> bool:
+        """Draft token number step+1? step = tokens drafted so far this round; confidence = the
+        drafter's probability of the token it just drafted (1.0 at step 0)."""
+        return controller_decide(self.state, step, confidence) != 0
+
+    def end_round(self, confidences: np.ndarray, n_accepted: int, t_draft: float, t_verify: float) -> None:
+        """After verification: one confidence per drafted token, the accepted prefix length,
+        seconds spent drafting this round, seconds of the target's decode of n_drafted+1 tokens."""
+        confidences = np.ascontiguousarray(confidences, dtype=np.float64)
+        controller_update(self.state, confidences, int(n_accepted), float(t_draft), float(t_verify))
+
+    def belief(self) -> dict[str, float]:
+        """Posterior of the acceptance rate (all positions pooled) and the running draft length."""
+        s = self.state
+        a, b = s[L.ALL_A], s[L.ALL_B]
+        mean = a / (a + b)
+        sd = math.sqrt(a * b / ((a + b) ** 2 * (a + b + 1.0)))
+        out = {
+            "mean": float(mean),
+            "lo": float(max(0.0, mean - 1.645 * sd)),  # normal approximation of the 5% / 95% quantiles
+            "hi": float(min(1.0, mean + 1.645 * sd)),
+            "expected_k": float(s[L.EMA_DRAFTED]),
+            "expected_accepted": float(s[L.EMA_ACCEPTED]),
+            "tau": float(s[L.EMA_ACCEPTED] + 1.0),
+            "draft_ms": float(1e3 * s[L.EMA_T_DRAFT]),
+            "verify_ms": float(1e3 * s[L.EMA_T_VERIFY]),
+            "rounds": float(s[L.ROUNDS]),
+        }
+        kind = s[L.KIND]
+        if kind == L.HEURISTIC:
+            out["k"] = float(s[L.PARAM])
+        if kind == L.THOMPSON and s[L.RULE] == 0.0:
+            k = self.max_draft
+            out["theta_1"] = float(s[L.POS0] / (s[L.POS0] + s[L.POS0 + 1]))
+            out["target_tok_s"] = float(s[L.LAMBDA])
+            if s[L.BATCH_COSTS] != 0.0:
+                ve = L.ve0(k)
+                if s[ve] > 0.0:
+                    out["draft_cost_ratio"] = float(s[L.EMA_T_DRAFT] / s[ve])
+                    out["verify_cost_ratio_max"] = float(s[ve + k] / s[ve])
+        return out
+
+    def state_dict(self) -> dict:
+        s = self.state
+        out: dict = {"name": self.name, "kind": int(s[L.KIND]), "max_draft": self.max_draft, "rounds": int(s[L.ROUNDS])}
+        out["pooled_alpha_beta"] = (float(s[L.ALL_A]), float(s[L.ALL_B]))
+        if s[L.KIND] == L.THOMPSON:
+            k = self.max_draft
+            out["positions_alpha_beta_predicted"] = s[L.POS0 : L.vc0(k)].reshape(k, L.POS_WIDTH).tolist()
+            out["bins_alpha_beta_predicted"] = s[L.BIN0 : L.POS0].reshape(L.N_BINS, L.BIN_WIDTH).tolist()
+            out["verify_mean_count"] = s[L.vc0(k) : L.ve0(k)].reshape(k + 1, 2).tolist()
+            out["verify_estimate"] = s[L.ve0(k) : L.th0(k)].tolist()
+            out["draft_seconds_per_token"] = float(s[L.EMA_T_DRAFT])
+        elif s[L.KIND] != L.THOMPSON:
+            out["param"] = float(s[L.PARAM])
+        return out
+
+    def __repr__(self) -> str:
+        return f"Controller({self.name!r}, max_draft={self.max_draft})"
+
+
+def _new_state(size: int, kind: int, max_draft: int, seed: int) -> np.ndarray:
+    state = np.zeros(size, dtype=np.float64)
+    state[L.KIND] = kind
+    state[L.MAX_DRAFT] = max_draft
+    state[L.RNG : L.RNG + 4] = seed_words(seed)
+    state[L.ALL_A] = 1.0
+    state[L.ALL_B] = 1.0
+    return state
+
+
+def _bad_spec(spec: str, why: str) -> EesdError:
+    return EesdError(
+        f"unknown controller {spec!r}: {why}",
+        hint="use one of " + ", ".join(CONTROLLER_CHOICES) + " (e.g. fixed:4, pmin:0.75)",
+    )
+
+
+def make_controller(spec: str, *, max_draft: int = 8, seed: int = 0, eps: float = TS_EPS, forget: float = TS_FORGET) -> Controller:
+    """A fresh controller from its spec; raises EesdError on a bad spec."""
+    if not isinstance(max_draft, int) or max_draft < 1:
+        raise EesdError(f"max_draft must be a positive integer, got {max_draft!r}", hint="e.g. --max-draft 8")
+    name, _, arg = spec.strip().lower().partition(":")
+    if name in ("beta-ts", "calibration-ts", "cost-ts"):
+        key = name if not arg else f"{name}:{arg}"
+        if key not in _THOMPSON:
+            raise _bad_spec(spec, f"{name} takes no argument other than 'paper'")
+        rule, bins, batch = _THOMPSON[key]
+        state = _new_state(int(L.thompson_size(max_draft)), L.THOMPSON, max_draft, seed)
+        state[L.RULE] = rule
+        state[L.USE_BINS] = bins
+        state[L.BATCH_COSTS] = batch
+        state[L.EPS] = eps
+        state[L.FORGET] = forget
+        state[L.POS0 : L.vc0(max_draft)] = 1.0  # Beta(1, 1) at position 1; odds ratio 1 (r = alpha) deeper
+        for j in range(L.N_BINS):
+            m = bin_prior_mean(j)
+            b = L.BIN0 + L.BIN_WIDTH * j
+            state[b : b + 3] = BIN_PRIOR * m, BIN_PRIOR * (1.0 - m), BIN_PRIOR * m  # prior: as the positions predict
+        return Controller(key, state)
+    if name == "fixed":
+        try:
+            k = int(arg)
+        except ValueError:
+            raise _bad_spec(spec, "fixed needs a draft length, as in fixed:4") from None
+        if not 0 <= k <= max_draft:
+            raise _bad_spec(spec, f"the draft length must be within 0..max_draft={max_draft}")
+        state = _new_state(L.BASELINE_SIZE, L.FIXED, max_draft, seed)
+        state[L.PARAM] = k
+        return Controller(f"fixed:{k}", state)
+    if name == "pmin":
+        try:
+            p = float(arg) if arg else DEFAULT_PMIN
+        except ValueError:
+            raise _bad_spec(spec, "pmin needs a probability, as in pmin:0.75") from None
+        if not 0.0 <= p <= 1.0:
+            raise _bad_spec(spec, "p_min must be within 0..1")
+        state = _new_state(L.BASELINE_SIZE, L.PMIN, max_draft, seed)
+        state[L.PARAM] = p
+        return Controller(f"pmin:{p:g}", state)
+    if name == "heuristic" and not arg:
+        state = _new_state(L.BASELINE_SIZE, L.HEURISTIC, max_draft, seed)
+        state[L.PARAM] = min(HEURISTIC_START, max_draft)
+        return Controller("heuristic", state)
+    raise _bad_spec(spec, "not a known controller")
+
+
+__all__ = [
+    "CONTROLLER_CHOICES",
+    "DEFAULT_CONTROLLER",
+    "Controller",
+    "make_controller",
+]

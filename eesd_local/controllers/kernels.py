@@ -1,0 +1,49 @@
+"""The three entry points every controller state goes through, dispatched on its kind.
+
+C-friendly signatures, so the native round loop can take the same code as Numba
+``cfunc``s later (see :func:`eesd_local.controllers.cfuncs`):
+
+    controller_begin(state: float64[:]) -> None
+    controller_decide(state: float64[:], step: int64, confidence: float64) -> int64 (1: draft one more)
+    controller_update(state: float64[:], confidences: float64[:], n_accepted: int64,
+                      t_draft: float64, t_verify: float64) -> None
+"""
+
+from __future__ import annotations
+
+from numba import njit
+
+from .baselines import fixed_decide, heuristic_decide, heuristic_update, pmin_decide
+from .common import update_header
+from .layout import FIXED, HEURISTIC, KIND, PMIN, THOMPSON
+from .thompson import ts_begin, ts_decide, ts_update
+
+
+@njit(cache=True)
+def controller_begin(state):
+    if state[KIND] == THOMPSON:
+        ts_begin(state)
+
+
+@njit(cache=True)
+def controller_decide(state, step, confidence):
+    kind = state[KIND]
+    if kind == THOMPSON:
+        return ts_decide(state, step, confidence)
+    if kind == FIXED:
+        return fixed_decide(state, step, confidence)
+    if kind == PMIN:
+        return pmin_decide(state, step, confidence)
+    if kind == HEURISTIC:
+        return heuristic_decide(state, step, confidence)
+    return 0
+
+
+@njit(cache=True)
+def controller_update(state, confidences, n_accepted, t_draft, t_verify):
+    update_header(state, confidences, n_accepted, t_draft, t_verify)
+    kind = state[KIND]
+    if kind == THOMPSON:
+        ts_update(state, confidences, n_accepted, t_verify)
+    elif kind == HEURISTIC:
+        heuristic_update(state, confidences, n_accepted)

@@ -1,0 +1,81 @@
+"""Drafters: each a short module behind the protocol in :mod:`.base`.
+
+``make_drafter`` turns the engine's configuration into a drafter and a one-line note
+saying which one runs and why (``auto`` picks eesd when an exit head is known for the
+model, else prompt lookup).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..errors import EesdError
+from ..registry import resolve_model
+from .base import Drafter, NoDrafter, Proposal
+from .lookup import LookupDrafter
+
+if TYPE_CHECKING:
+    from ..runtime import Model
+
+DRAFTERS = ["auto", "none", "eesd", "lookup", "draft-model", "hierarchical"]
+
+__all__ = ["DRAFTERS", "Drafter", "NoDrafter", "Proposal", "LookupDrafter", "make_drafter"]
+
+
+def _eesd_draft_path(config: Any, model: Model, required: bool) -> Any:
+    """The draft GGUF (target's first N layers + exit head), or None when no head is known."""
+    from .. import heads
+
+    if config.head:
+        head = resolve_head(config.head)
+    else:
+        head = heads.find_head(model.path)
+        if head is None:
+            if required:
+                raise EesdError(
+                    f"no exit head is known for {model.path.name}",
+                    hint="train one with `eesd heads train`, pass --head HEAD.gguf, or use --drafter lookup",
+                )
+            return None
+    return heads.build_draft(model.path, head)
+
+
+def resolve_head(spec: str) -> Any:
+    from pathlib import Path
+
+    from ..registry import check_gguf
+
+    return check_gguf(Path(spec).expanduser())
+
+
+def make_drafter(config: Any, model: Model) -> tuple[Drafter, str]:
+    from .hierarchical import HierarchicalDrafter
+    from .model import ModelDrafter
+
+    kind = config.drafter
+    if kind not in DRAFTERS:
+        raise EesdError(f"unknown drafter {kind!r}", hint=f"choose one of {', '.join(DRAFTERS)}")
+    common = dict(n_ctx=config.n_ctx, n_gpu_layers=config.n_gpu_layers, n_threads=config.n_threads)
+    if kind == "auto":
+        draft = _eesd_draft_path(config, model, required=False)
+        if draft is None:
+            return LookupDrafter(), "drafter: lookup (auto: no exit head is known for this model)"
+        return ModelDrafter(draft, model, name="eesd", **common), "drafter: eesd (auto: shipped exit head found)"
+    if kind == "none":
+        return NoDrafter(), "drafter: none (plain decoding)"
+    if kind == "lookup":
+        return LookupDrafter(), "drafter: lookup"
+    if kind == "eesd":
+        return ModelDrafter(_eesd_draft_path(config, model, required=True), model, name="eesd", **common), "drafter: eesd"
+    if kind == "draft-model":
+        if not config.draft_model:
+            raise EesdError("--drafter draft-model needs --draft-model M", hint="e.g. --draft-model qwen2.5-coder-0.5b-instruct")
+        path = resolve_model(config.draft_model)
+        return ModelDrafter(path, model, name="draft-model", **common), f"drafter: draft-model ({path.name})"
+    # hierarchical: lookup guesses checked by the eesd draft (or the draft model when given)
+    if config.draft_model:
+        inner = ModelDrafter(resolve_model(config.draft_model), model, name="draft-model", **common)
+    else:
+        inner = ModelDrafter(_eesd_draft_path(config, model, required=True), model, name="eesd", **common)
+    d = HierarchicalDrafter(inner)
+    return d, f"drafter: {d.name}"

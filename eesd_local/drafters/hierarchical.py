@@ -1,0 +1,41 @@
+"""Hierarchical drafting: prompt-lookup guesses checked by a model drafter.
+
+Lookup proposes a continuation for free; the model drafter (the early-exit draft)
+checks it in one batch and keeps the agreeing prefix, then drafts on by itself.
+The tokens handed to the target are distributed as the model drafter's q (in
+sampling mode the guesses go through speculative sampling against q), so the
+target's verification stays exact.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..sampling import SamplingParams
+from .base import Proposal, WantMore
+from .lookup import LookupDrafter
+from .model import ModelDrafter
+
+
+class HierarchicalDrafter:
+    name = "hierarchical"
+
+    def __init__(self, inner: ModelDrafter, lookup: LookupDrafter | None = None) -> None:
+        self.inner = inner
+        self.lookup = lookup or LookupDrafter()
+        self.name = f"hierarchical({self.lookup.name}>{inner.name})"
+
+    def begin(self, prompt: list[int]) -> None:
+        self.lookup.begin(prompt)
+        self.inner.begin(prompt)
+
+    def propose(self, history: list[int], want_more: WantMore, max_n: int, params: SamplingParams,
+                rng: np.random.Generator) -> Proposal:
+        guesses, _ = self.lookup.lookup(history, max_n)
+        return self.inner.propose(history, want_more, max_n, params, rng, guess=guesses)
+
+    def accept(self, history: list[int], n_accepted: int) -> None:
+        self.inner.accept(history, n_accepted)
+
+    def close(self) -> None:
+        self.inner.close()

@@ -1,0 +1,68 @@
+"""Prompt lookup: draft the tokens that followed the most recent earlier occurrence of
+the current suffix (n-grams from longest to shortest). No model call; strong when
+the answer copies its input (edits, code rewrites)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..sampling import SamplingParams
+from .base import Proposal, WantMore
+
+
+class LookupDrafter:
+    name = "lookup"
+
+    def __init__(self, ngram_max: int = 4, ngram_min: int = 1) -> None:
+        self.ngram_max = ngram_max
+        self.ngram_min = ngram_min
+        self._index: dict[tuple[int, ...], int] = {}  # n-gram -> last end position seen
+        self._seen: list[int] = []  # the history the index was built from
+        self._indexed = 0  # n-grams ending before this position are indexed
+
+    def begin(self, prompt: list[int]) -> None:
+        self._index.clear()
+        self._seen = []
+        self._indexed = 0
+
+    def _update(self, history: list[int]) -> None:
+        n_same = len(self._seen)
+        if history[:n_same] != self._seen:  # history was rewritten: rebuild
+            self.begin(history)
+        self._seen = list(history)
+        # index n-grams ending at e < len-1: the suffix itself must not match itself
+        for e in range(self._indexed, len(history) - 1):
+            for n in range(self.ngram_min, self.ngram_max + 1):
+                if e - n + 1 >= 0:
+                    self._index[tuple(history[e - n + 1 : e + 1])] = e
+        self._indexed = max(self._indexed, len(history) - 1)
+
+    def lookup(self, history: list[int], max_n: int) -> tuple[list[int], int]:
+        """(continuation, n of the matched n-gram) for the longest suffix n-gram seen before."""
+        self._update(history)
+        for n in range(self.ngram_max, self.ngram_min - 1, -1):
+            if len(history) < n:
+                continue
+            e = self._index.get(tuple(history[-n:]))
+            if e is not None:
+                return history[e + 1 : e + 1 + max_n], n
+        return [], 0
+
+    def propose(self, history: list[int], want_more: WantMore, max_n: int, params: SamplingParams,
+                rng: np.random.Generator) -> Proposal:
+        prop = Proposal()
+        if max_n <= 0 or not want_more(0, 1.0):
+            return prop
+        cont, n = self.lookup(history, max_n)
+        confidence = n / self.ngram_max  # a longer matched n-gram is a safer bet
+        for i, tok in enumerate(cont):
+            if i and not want_more(i, confidence):
+                break
+            prop.add(tok, None, confidence)
+        return prop
+
+    def accept(self, history: list[int], n_accepted: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,104 @@
+"""Drafters that run a llama.cpp model of their own: a separate small model
+(``draft-model``) or the target's first N layers plus a trained exit layer (``eesd``).
+
+The draft context is kept in step lazily: before drafting it is trimmed to its
+common prefix with the history and the tokens it missed are decoded in one batch,
+so rounds where nothing is drafted cost nothing here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import EesdError
+from ..runtime import Context, ContextParams, Model, common_prefix
+from ..sampling import SamplingParams, probs, sample
+from .base import Proposal, WantMore
+
+
+def check_same_vocab(target: Model, draft: Model, what: str) -> None:
+    if target.vocab_signature() != draft.vocab_signature():
+        raise EesdError(
+            f"the {what} {draft.path.name} has another vocabulary than the target {target.path.name} "
+            f"({draft.n_vocab} vs {target.n_vocab} tokens)",
+            hint="pick a draft model of the same family (same tokenizer), e.g. the 0.5B Qwen2.5-Coder for the 1.5B",
+        )
+
+
+def pick(row: np.ndarray, guess: int | None, params: SamplingParams, rng: np.random.Generator) -> tuple[int, np.ndarray | None, float]:
+    """(token, q, confidence) from a draft logit row; a guess is kept only as q allows.
+
+    Greedy: the argmax. Sampling: a token distributed exactly as q; with a guess g
+    (a deterministic proposal) g is kept with probability q(g), else a token is drawn
+    from q with g removed, which is speculative sampling one level down.
+    """
+    if params.greedy:
+        tok = int(np.argmax(row))
+        conf = float(1.0 / np.exp(row.astype(np.float64) - float(row[tok])).sum())
+        return tok, None, conf
+    q = probs(row, params)
+    if guess is not None:
+        if rng.random() < q[guess]:
+            return guess, q, float(q[guess])
+        residual = q.copy()
+        residual[guess] = 0.0
+        if residual.sum() > 0:
+            tok = sample(residual / residual.sum(), rng)
+            return tok, q, float(q[tok])
+    tok = sample(q, rng)
+    return tok, q, float(q[tok])
+
+
+class ModelDrafter:
+    """Draft token by token with a llama.cpp model sharing the target's vocabulary."""
+
+    def __init__(self, path: Path, target: Model, *, name: str = "draft-model", n_ctx: int = 4096,
+                 n_gpu_layers: int = 0, n_threads: int | None = None) -> None:
+        self.name = name
+        self.model = Model(path, n_gpu_layers=n_gpu_layers)
+        check_same_vocab(target, self.model, "draft model" if name == "draft-model" else "draft file")
+        self.ctx = Context(self.model, ContextParams(n_ctx=n_ctx, n_threads=n_threads))
+
+    def begin(self, prompt: list[int]) -> None:
+        pass  # the context syncs lazily and reuses any common prefix
+
+    def propose(self, history: list[int], want_more: WantMore, max_n: int, params: SamplingParams,
+                rng: np.random.Generator, guess: Sequence[int] = ()) -> Proposal:
+        prop = Proposal()
+        if max_n <= 0 or not want_more(0, 1.0):
+            return prop
+        ctx = self.ctx
+        n0 = min(common_prefix(ctx.tokens, history), len(history) - 1)
+        ctx.trim(n0)
+        feed = history[n0:]
+        guesses = list(guess[: max(0, min(max_n, ctx.room() - len(feed)))])
+        if len(feed) + len(guesses) > ctx.room():
+            return prop
+        ctx.decode(feed + guesses, n_logits=len(guesses) + 1)
+        rows: list[np.ndarray] = list(ctx.logits_rows()) if guesses else [ctx.logits()]
+        while True:
+            j = len(prop)  # rows[j] is the distribution after history + prop
+            g = guesses[j] if j < len(guesses) else None
+            tok, q, conf = pick(rows[j], g, params, rng)
+            prop.add(tok, q, conf)
+            if len(prop) >= max_n or not want_more(len(prop), conf):
+                break
+            if tok == g and j + 1 < len(rows):
+                continue  # the next row was computed with g in place
+            ctx.trim(len(history) + j)  # drop the guesses from j on: the KV holds history + prop[:-1]
+            guesses = guesses[:j]
+            if ctx.room() < 1:
+                break
+            ctx.decode([tok])
+            rows = rows[: j + 1] + [ctx.logits()]
+        return prop
+
+    def accept(self, history: list[int], n_accepted: int) -> None:
+        pass
+
+    def close(self) -> None:
+        self.ctx.close()
+        self.model.close()

@@ -1,0 +1,251 @@
+"""The speculative engine: one round loop over any drafter, exact verification.
+
+Each round the controller decides how far to draft, the drafter proposes d1..dk,
+the target decodes [last, d1..dk] in ONE llama_decode, the accepted prefix plus one
+target token is emitted, and the target's KV cache is trimmed past it. Greedy
+output equals plain decoding; sampling keeps the target's distribution exactly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import chat as chat_mod
+from .drafters import make_drafter
+from .drafters.base import Drafter
+from .errors import EesdError
+from .events import Event, FinishEvent, RoundEvent, Stats, TokenEvent
+from .registry import resolve_model
+from .runtime import Context, ContextParams, Detokenizer, Model, common_prefix
+from .sampling import SamplingParams, probs, sample, verify_greedy, verify_sampled
+
+
+@dataclass
+class EngineConfig:
+    model: str = "qwen2.5-coder-0.5b-instruct"
+    drafter: str = "auto"  # auto | none | eesd | lookup | draft-model | hierarchical
+    head: str | None = None  # exit-head GGUF for eesd (default: the shipped head for the model)
+    draft_model: str | None = None  # GGUF or registry name for draft-model
+    controller: Any = None  # a Controller, a spec like "cost-ts" / "fixed:4", or None for the default
+    draft_max: int = 8
+    n_ctx: int = 4096
+    n_gpu_layers: int = 0
+    n_threads: int | None = None
+    seed: int = 0  # the controller's seed
+
+
+class Engine:
+    """A target model, a drafter and a controller; ``generate`` yields events."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_path = resolve_model(config.model)
+        self.model = Model(self.model_path, n_gpu_layers=config.n_gpu_layers)
+        self.ctx = Context(self.model, ContextParams(n_ctx=config.n_ctx, n_threads=config.n_threads))
+        self.drafter: Drafter = NoDrafterPlaceholder()
+        self.drafter_note = ""
+        try:
+            self.drafter, self.drafter_note = make_drafter(config, self.model)
+            self.controller = _make_controller(config.controller, config.draft_max, config.seed)
+        except BaseException:
+            self.close()
+            raise
+        self._cancel = False
+
+    # --- the round loop --------------------------------------------------
+
+    def generate(self, prompt: str | list[int], *, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None) -> Iterator[Event]:
+        """Yield a TokenEvent per emitted token, a RoundEvent per round, and one FinishEvent."""
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        if max_tokens < 1:
+            raise EesdError(f"max_tokens must be >= 1, got {max_tokens}")
+        tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if not tokens:
+            raise EesdError("the prompt is empty", hint="give at least one token of text")
+        if len(tokens) >= self.ctx.n_ctx:
+            raise EesdError(
+                f"the prompt has {len(tokens)} tokens but the context holds {self.ctx.n_ctx}",
+                hint="shorten the prompt or pass a larger --ctx",
+            )
+        return self._run(tokens, max_tokens, params, stop or [])
+
+    def _run(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop: list[str]) -> Iterator[Event]:
+        ctx, model, drafter, ctl = self.ctx, self.model, self.drafter, self.controller
+        rng = params.rng()
+        stats = Stats(n_prompt=len(prompt), drafter=drafter.name, controller=getattr(ctl, "name", "?"))
+        detok = Detokenizer(model)
+        text: list[str] = []
+        history = list(prompt)
+        reason = "length"
+        self._cancel = False
+        try:
+            t0 = time.perf_counter()
+            # prefill, reusing the cached common prefix; the last prompt token gives the first logits
+            keep = min(common_prefix(ctx.tokens, prompt), len(prompt) - 1)
+            ctx.trim(keep)
+            ctx.decode(prompt[keep:])
+            first = self._pick(ctx.logits(), params, rng)
+            drafter.begin(prompt)
+            stats.t_prefill = time.perf_counter() - t0
+            t_start = time.perf_counter()
+            pending = [(first, "target")]
+            round_no = 0
+            while True:
+                # emit what the last step produced; stop at end-of-generation, stop strings, limits
+                for tok, source in pending:
+                    if model.is_eog(tok):
+                        reason = "stop"
+                        break
+                    history.append(tok)
+                    stats.n_generated += 1
+                    piece = detok.push(tok)
+                    text.append(piece)
+                    yield TokenEvent(tok, piece, source, round_no)  # type: ignore[arg-type]
+                    if stop and _hit_stop(text, stop):
+                        reason = "stop"
+                        break
+                    if stats.n_generated >= max_tokens:
+                        reason = "length"
+                        break
+                else:
+                    reason = ""
+                if reason or self._cancel:
+                    reason = reason or "cancelled"
+                    break
+                room = ctx.room()
+                if room < 1:
+                    reason = "length"
+                    break
+                # one round: draft, verify in one batch, accept, roll back
+                round_no += 1
+                max_n = min(self.config.draft_max, max_tokens - stats.n_generated - 1, room - 1)
+                ctl.begin_round()
+                t1 = time.perf_counter()
+                prop = drafter.propose(history, ctl.draft_more, max(0, max_n), params, rng)
+                t2 = time.perf_counter()
+                n_keep = ctx.n_past + 1  # the cache keeps `last` ...
+                ctx.decode([history[-1], *prop.tokens], n_logits=len(prop) + 1)
+                if params.greedy:
+                    m, nxt = verify_greedy(np.stack([ctx.logits(i) for i in range(len(prop) + 1)]), prop.tokens)
+                else:
+                    m, nxt = verify_sampled(ctx.logits_rows(), prop.tokens, prop.probs, params, rng)
+                ctx.trim(n_keep + m)  # ... and the accepted drafts; the rest is rolled back
+                t3 = time.perf_counter()
+                ctl.end_round(np.asarray(prop.confidences, dtype=np.float64), m, t2 - t1, t3 - t2)
+                stats.record_round(len(prop), m)
+                stats.t_draft += t2 - t1
+                stats.t_verify += t3 - t2
+                pending = [(t, "draft") for t in prop.tokens[:m]]
+                pending.append((nxt, "bonus" if m == len(prop) and m > 0 else "target"))
+                drafter.accept(history + [t for t, _ in pending], m)
+                yield RoundEvent(round_no, len(prop), m, m + 1, t2 - t1, t3 - t2, _belief(ctl))
+        finally:
+            # the rollback always runs: the cache holds exactly the emitted history but `last`
+            ctx.trim(min(ctx.n_past, max(0, len(history) - 1)))
+            stats.t_decode = time.perf_counter() - t_start if "t_start" in locals() else 0.0
+        tail = detok.flush()
+        if tail:
+            text.append(tail)
+        yield FinishEvent(reason, stats, "".join(text))  # type: ignore[arg-type]
+
+    def _pick(self, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+        if params.greedy:
+            return int(np.argmax(logits))
+        return sample(probs(logits, params), rng)
+
+    def cancel(self) -> None:
+        """Ask a running generation to stop after the current round (thread-safe)."""
+        self._cancel = True
+
+    # --- conveniences ----------------------------------------------------
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.model.tokenize(text, add_special=True, parse_special=True)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        bos = self.model.token_to_piece(self.model.bos, special=True).decode("utf-8", "replace") if self.model.add_bos else ""
+        text = chat_mod.render(self.model.chat_template(), messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=bos, eos_token="")
+        # the template writes the BOS itself; tokenize() must not add a second one
+        if bos and text.startswith(bos):
+            text = text[len(bos):]
+        return text
+
+    def run(self, prompt: str | list[int], **kw: Any) -> FinishEvent:
+        """Generate to the end and return the FinishEvent (text and stats)."""
+        last = None
+        for ev in self.generate(prompt, **kw):
+            last = ev
+        assert isinstance(last, FinishEvent)
+        return last
+
+    def create_completion(self, prompt: str, *, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+                          top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None,
+                          stream: bool = False) -> Any:
+        """An OpenAI-shaped text completion (a dict, or an iterator of chunks with stream=True)."""
+        from .api import completion
+
+        return completion(self, prompt, chat=False, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                          top_k=top_k, seed=seed, stop=stop, stream=stream)
+
+    def create_chat_completion(self, messages: list[dict[str, str]], *, max_tokens: int = 256, temperature: float = 0.0,
+                               top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                               stop: list[str] | str | None = None, stream: bool = False) -> Any:
+        """An OpenAI-shaped chat completion using the model's chat template."""
+        from .api import completion
+
+        return completion(self, messages, chat=True, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                          top_k=top_k, seed=seed, stop=stop, stream=stream)
+
+    def close(self) -> None:
+        for part in (getattr(self, "drafter", None), getattr(self, "ctx", None), getattr(self, "model", None)):
+            if part is not None:
+                part.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class NoDrafterPlaceholder:
+    name = "none"
+
+    def close(self) -> None:
+        pass
+
+
+def _hit_stop(text: list[str], stop: list[str]) -> bool:
+    tail = "".join(text[-64:])
+    return any(s and s in tail for s in stop)
+
+
+def _belief(ctl: Any) -> dict[str, float]:
+    try:
+        return dict(ctl.belief())
+    except Exception:
+        return {}
+
+
+def _make_controller(spec: Any, draft_max: int, seed: int) -> Any:
+    if spec is not None and not isinstance(spec, str):
+        return spec
+    from .controllers import DEFAULT_CONTROLLER, make_controller
+
+    return make_controller(spec or DEFAULT_CONTROLLER, max_draft=draft_max, seed=seed)
+
+
+def load(model: str | Path = "qwen2.5-coder-0.5b-instruct", **kw: Any) -> Engine:
+    """Open ``model`` (registry name or GGUF path) with a drafter; see :class:`EngineConfig`."""
+    unknown = set(kw) - set(EngineConfig.__dataclass_fields__)
+    if unknown:
+        raise TypeError(f"load() got unknown options {sorted(unknown)}")
+    return Engine(EngineConfig(model=str(model), **kw))

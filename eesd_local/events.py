@@ -1,0 +1,113 @@
+"""What the engine yields: token events, round events, and a final summary.
+
+One stream feeds the TUI, the Python API, the CLI and the bench alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+# where an emitted token came from
+Source = Literal["draft", "target", "bonus"]
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    token: int
+    text: str  # the decoded piece; "" while a multi-byte character is incomplete
+    source: Source  # draft: accepted draft; target: the target's correction; bonus: all drafts accepted
+    round: int
+
+
+@dataclass(slots=True)
+class RoundEvent:
+    index: int
+    drafted: int
+    accepted: int
+    emitted: int
+    t_draft: float  # seconds spent drafting this round
+    t_verify: float  # seconds of the target's batched decode
+    belief: dict[str, float] = field(default_factory=dict)  # the controller's state after the round
+
+
+@dataclass
+class Stats:
+    n_prompt: int = 0
+    n_generated: int = 0
+    n_rounds: int = 0
+    n_drafted: int = 0
+    n_accepted: int = 0
+    t_prefill: float = 0.0
+    t_decode: float = 0.0  # wall time after the prefill until the last token
+    t_draft: float = 0.0
+    t_verify: float = 0.0
+    drafted_at: list[int] = field(default_factory=list)  # drafts made at position i of a round
+    accepted_at: list[int] = field(default_factory=list)  # of those, accepted
+    draft_lengths: list[int] = field(default_factory=list)  # per round
+    drafter: str = ""
+    controller: str = ""
+
+    def record_round(self, drafted: int, accepted: int) -> None:
+        self.n_rounds += 1
+        self.n_drafted += drafted
+        self.n_accepted += accepted
+        self.draft_lengths.append(drafted)
+        while len(self.drafted_at) < drafted:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(drafted):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += int(i < accepted)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.n_generated / self.t_decode if self.t_decode > 0 else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens emitted per target verification (per round)."""
+        emitted = self.n_accepted + self.n_rounds
+        return emitted / self.n_rounds if self.n_rounds else 0.0
+
+    @property
+    def mean_draft_length(self) -> float:
+        return self.n_drafted / self.n_rounds if self.n_rounds else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("draft_lengths")
+        d.update(
+            tokens_per_s=self.tokens_per_s,
+            acceptance_rate=self.acceptance_rate,
+            tau=self.tau,
+            mean_draft_length=self.mean_draft_length,
+            acceptance_by_position=self.acceptance_by_position,
+        )
+        return d
+
+    def summary(self) -> str:
+        return (
+            f"{self.n_generated} tokens in {self.t_decode:.2f}s ({self.tokens_per_s:.1f} tok/s), "
+            f"prefill {self.n_prompt} tokens in {self.t_prefill:.2f}s | drafter {self.drafter}, controller {self.controller}: "
+            f"drafted {self.n_drafted}, accepted {self.n_accepted} ({100 * self.acceptance_rate:.0f}%), "
+            f"tau {self.tau:.2f}, mean draft {self.mean_draft_length:.2f}"
+        )
+
+
+@dataclass(slots=True)
+class FinishEvent:
+    reason: Literal["stop", "length", "cancelled"]
+    stats: Stats
+    text: str = ""
+
+
+Event = TokenEvent | RoundEvent | FinishEvent

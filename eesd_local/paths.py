@@ -1,0 +1,37 @@
+"""Where eesd-local keeps files: ``$EESD_HOME`` or ``~/.cache/eesd-local``."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import EesdError
+
+
+def eesd_home() -> Path:
+    """The cache root; ``EESD_HOME`` overrides the default ``~/.cache/eesd-local``."""
+    env = os.environ.get("EESD_HOME")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "eesd-local"
+
+
+def cache_dir(kind: str) -> Path:
+    """A writable sub-directory of the cache (``models``, ``downloads``, ``drafts``...)."""
+    path = eesd_home() / kind
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise EesdError(
+            f"cannot create the cache directory {path}: {exc.strerror}",
+            hint="set EESD_HOME to a writable directory",
+        ) from None
+    if not os.access(path, os.W_OK):
+        raise EesdError(
+            f"the cache directory {path} is not writable",
+            hint="set EESD_HOME to a writable directory",
+        )
+    return path
+
+
+def package_root() -> Path:
+    """The directory that holds ``eesd_local`` (the repository root in a checkout)."""
+    return Path(__file__).resolve().parent.parent

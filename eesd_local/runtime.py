@@ -1,0 +1,288 @@
+"""A thin runtime over llama-cpp-python's low-level API: models, contexts, batches, logits.
+
+Everything the engine needs from llama.cpp and nothing more: load a model, tokenize
+and detokenize, decode a batch at given positions with logits for chosen rows, read
+those rows as NumPy arrays, and trim the KV cache. One :class:`Context` holds one
+sequence (seq 0); it tracks which tokens its KV cache holds so callers can reuse a
+common prefix and roll back past rejected drafts.
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import llama_cpp as lc
+import numpy as np
+
+from .errors import ContextFullError, EesdError
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+_log_cb: Any = None
+
+
+def _init_backend() -> None:
+    """Initialise llama.cpp once per process and silence its logging."""
+    global _backend_ready, _log_cb
+    with _backend_lock:
+        if _backend_ready:
+            return
+        if not os.environ.get("EESD_LLAMA_LOG"):
+
+            @lc.llama_log_callback
+            def _quiet(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+                return None
+
+            _log_cb = _quiet  # keep a reference: llama.cpp holds the pointer
+            lc.llama_log_set(_log_cb, ctypes.c_void_p(0))
+        lc.llama_backend_init()
+        _backend_ready = True
+
+
+def default_threads() -> int:
+    """Physical-ish core count: llama.cpp is memory bound, hyper-threads do not help."""
+    return max(1, os.cpu_count() or 1)
+
+
+class Model:
+    """A loaded GGUF: weights, vocabulary and metadata."""
+
+    def __init__(self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, vocab_only: bool = False) -> None:
+        _init_backend()
+        self.path = Path(path)
+        params = lc.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        params.vocab_only = vocab_only
+        ptr = lc.llama_model_load_from_file(os.fsencode(self.path), params)
+        if not ptr:
+            raise EesdError(f"llama.cpp could not load {self.path}", hint="the file may be truncated or of an unsupported architecture; set EESD_LLAMA_LOG=1 to see why")
+        self.ptr = ptr
+        self.vocab = lc.llama_model_get_vocab(ptr)
+        self.n_vocab = int(lc.llama_vocab_n_tokens(self.vocab))
+        self.n_layer = int(lc.llama_model_n_layer(ptr))
+        self.n_embd = int(lc.llama_model_n_embd(ptr))
+        self.n_ctx_train = int(lc.llama_model_n_ctx_train(ptr))
+        self.size_bytes = int(lc.llama_model_size(ptr))
+        self.arch = self.meta("general.architecture") or "unknown"
+        self.bos = int(lc.llama_vocab_bos(self.vocab))
+        self.eos = int(lc.llama_vocab_eos(self.vocab))
+        self.add_bos = bool(lc.llama_vocab_get_add_bos(self.vocab))
+        self._pieces: dict[int, bytes] = {}
+
+    # --- metadata --------------------------------------------------------
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(4096)
+        n = lc.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            lc.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", errors="replace")
+
+    def chat_template(self) -> str | None:
+        return self.meta("tokenizer.chat_template")
+
+    def vocab_signature(self) -> tuple[int, tuple[bytes, ...]]:
+        """Size plus a sample of token texts: equal for models that share a vocabulary."""
+        step = max(1, self.n_vocab // 997)
+        return self.n_vocab, tuple(self.token_to_piece(t, special=True) for t in range(0, self.n_vocab, step))
+
+    # --- tokens ----------------------------------------------------------
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (lc.llama_token * cap)()
+        n = lc.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = (lc.llama_token * cap)()
+            n = lc.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+        return list(buf[:n])
+
+    def token_to_piece(self, token: int, *, special: bool = False) -> bytes:
+        if not special and token in self._pieces:
+            return self._pieces[token]
+        buf = ctypes.create_string_buffer(64)
+        n = lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
+        piece = buf.raw[:n]
+        if not special:
+            self._pieces[token] = piece
+        return piece
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.token_to_piece(t) for t in tokens).decode("utf-8", errors="replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(lc.llama_vocab_is_eog(self.vocab, token))
+
+    def close(self) -> None:
+        if getattr(self, "ptr", None):
+            lc.llama_model_free(self.ptr)
+            self.ptr = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Detokenizer:
+    """Incremental token -> text: holds back bytes of an incomplete UTF-8 character."""
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token: int) -> str:
+        return self._dec.decode(self.model.token_to_piece(token))
+
+    def flush(self) -> str:
+        return self._dec.decode(b"", final=True)
+
+
+@dataclass
+class ContextParams:
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_threads: int | None = None
+
+
+class Context:
+    """One llama.cpp context with a single sequence and a record of its KV contents."""
+
+    def __init__(self, model: Model, params: ContextParams | None = None) -> None:
+        params = params or ContextParams()
+        self.model = model
+        cp = lc.llama_context_default_params()
+        cp.n_ctx = params.n_ctx
+        cp.n_batch = params.n_batch
+        cp.n_ubatch = params.n_batch
+        cp.n_seq_max = 1
+        threads = params.n_threads or default_threads()
+        cp.n_threads = threads
+        cp.n_threads_batch = threads
+        cp.no_perf = True
+        ptr = lc.llama_init_from_model(model.ptr, cp)
+        if not ptr:
+            raise EesdError(f"llama.cpp could not create a context of {params.n_ctx} tokens for {model.path.name}", hint="try a smaller --ctx")
+        self.ptr = ptr
+        self.n_ctx = int(lc.llama_n_ctx(ptr))
+        self.n_batch = params.n_batch
+        self.mem = lc.llama_get_memory(ptr)
+        self.tokens: list[int] = []  # what the KV cache holds, position by position
+        self._batch = lc.llama_batch_init(self.n_batch, 0, 1)
+        self._n_out = 0
+        self._out_base = 0
+
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    def trim(self, n_keep: int) -> None:
+        """Drop every cached position >= n_keep (the KV rollback)."""
+        if n_keep < len(self.tokens):
+            lc.llama_memory_seq_rm(self.mem, 0, n_keep, -1)
+            del self.tokens[n_keep:]
+
+    def clear(self) -> None:
+        lc.llama_memory_clear(self.mem, True)
+        self.tokens.clear()
+
+    def room(self) -> int:
+        """How many more tokens fit into the context."""
+        return self.n_ctx - self.n_past
+
+    def decode(self, tokens: Sequence[int], *, n_logits: int = 1) -> int:
+        """Append ``tokens`` to the cache with logits for the last ``n_logits`` of them.
+
+        Long inputs go in n_batch chunks; the logit rows must all fall into the last
+        chunk. Returns the number of logit rows available through :meth:`logits`.
+        """
+        n = len(tokens)
+        if n == 0:
+            return 0
+        if self.n_past + n > self.n_ctx:
+            raise ContextFullError(
+                f"the context is full: {self.n_past} + {n} tokens exceed n_ctx={self.n_ctx}",
+                hint="start a new conversation or pass a larger --ctx",
+            )
+        n_logits = max(0, min(n_logits, n))
+        start = 0
+        while start < n:
+            # the last chunk is cut so that it holds every token that wants logits
+            size = min(self.n_batch, n - start)
+            if start + size < n and n - (start + size) < n_logits:
+                size = max(1, n - start - n_logits)
+            chunk = tokens[start : start + size]
+            first_out = n - n_logits - start  # batch index of the first row with logits
+            b = self._batch
+            pos0 = self.n_past
+            for i, tok in enumerate(chunk):
+                b.token[i] = tok
+                b.pos[i] = pos0 + i
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = 0
+                b.logits[i] = i >= first_out
+            b.n_tokens = len(chunk)
+            rc = lc.llama_decode(self.ptr, b)
+            if rc != 0:
+                # llama.cpp keeps processed ubatches on fatal errors: resynchronise our record
+                pos_max = int(lc.llama_memory_seq_pos_max(self.mem, 0))
+                self.tokens.extend(chunk[: max(0, pos_max + 1 - pos0)])
+                self.trim(pos0)
+                if rc == 1:
+                    raise ContextFullError(f"llama.cpp found no KV slot for {len(chunk)} tokens", hint="pass a larger --ctx")
+                raise RuntimeError(f"llama_decode failed with code {rc}")
+            self.tokens.extend(chunk)
+            start += len(chunk)
+            self._out_base = first_out
+        self._n_out = n_logits
+        return n_logits
+
+    def logits(self, row: int = -1) -> np.ndarray:
+        """Logit row ``row`` of the last decode (negative counts from the end): a float32 view
+        into llama.cpp's buffer, valid until the next decode."""
+        if row < 0:
+            row += self._n_out
+        if not 0 <= row < self._n_out:
+            raise IndexError(f"logit row {row} of {self._n_out}")
+        ptr = lc.llama_get_logits_ith(self.ptr, self._out_base + row)  # index within the batch
+        return np.ctypeslib.as_array(ptr, shape=(self.model.n_vocab,))
+
+    def logits_rows(self) -> np.ndarray:
+        """All logit rows of the last decode as an (n, n_vocab) array (a copy)."""
+        return np.stack([self.logits(i) for i in range(self._n_out)])
+
+    def close(self) -> None:
+        if getattr(self, "ptr", None):
+            lc.llama_batch_free(self._batch)
+            lc.llama_free(self.ptr)
+            self.ptr = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

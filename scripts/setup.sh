@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Set-up command 1: install everything into .venv and run the main job on the default
+# demo model. Safe to rerun: finished steps are skipped.
+#   bash scripts/setup.sh
+# Environment: PYTHON (default python3), EESD_TORCH (default torch==2.13.0, the CPU
+# build), CMAKE_ARGS (e.g. -DGGML_CUDA=on for a CUDA build of llama.cpp).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+EESD_TORCH=${EESD_TORCH:-torch==2.13.0}
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+step() { printf '\n==> %s\n' "$*"; }
+
+if [ ! -x .venv/bin/python ]; then
+  step "creating .venv with $($PY --version)"
+  "$PY" -m venv .venv
+fi
+PIP=".venv/bin/python -m pip"
+
+if ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
+  step "building llama-cpp-python 0.3.36 (compiles llama.cpp: about 6 minutes on 2 cores)"
+  # pip -v shows the compiler's [n/N] steps; print only those, as a progress line
+  $PIP install -v "llama-cpp-python==0.3.36" 2>&1 | .venv/bin/python scripts/build_progress.py
+fi
+
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  step "installing $EESD_TORCH (for head training and conversion)"
+  $PIP install --progress-bar on "$EESD_TORCH"
+fi
+
+step "installing eesd-local with its train and dev extras"
+$PIP install --progress-bar on -e '.[train,dev]' 2>&1 | grep -v "is neither a file nor a directory" || true
+.venv/bin/python -c "import eesd_local.engine" || { echo "install failed"; exit 1; }
+
+step "fetching the default demo model"
+.venv/bin/eesd models pull qwen2.5-coder-0.5b-instruct
+
+step "the main job: a coding question, answered with speculative decoding"
+.venv/bin/eesd generate --chat --max-tokens 160 \
+  --prompt "Write a Python function that reverses a string."
+
+printf '\nDone. Try:  .venv/bin/eesd-chat      or   .venv/bin/eesd --help\n'

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Set-up command 2: lint and run the test suite (real demo models, pulled if missing).
+#   bash scripts/test.sh [pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! command -v tmux >/dev/null 2>&1; then  # the real-terminal check of eesd-chat drives tmux
+  (apt-get update -qq && apt-get install -y -qq tmux) >/dev/null 2>&1 || echo "note: could not install tmux"
+fi
+.venv/bin/ruff check eesd_local tui tests scripts
+.venv/bin/python -m pytest -q "$@"

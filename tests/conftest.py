@@ -1,0 +1,41 @@
+"""Shared fixtures: the real demo models (from the user cache, pulled if missing) and
+an isolated EESD_HOME for tests that write to the cache."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from eesd_local import registry
+
+QWEN05 = "qwen2.5-coder-0.5b-instruct"
+QWEN15 = "qwen2.5-coder-1.5b-instruct"
+GEMMA = "gemma-3-270m"
+
+
+def _model(name: str) -> Path:
+    return registry.resolve_model(name)  # pulls into the user cache when missing
+
+
+@pytest.fixture(scope="session")
+def qwen05_path() -> Path:
+    return _model(QWEN05)
+
+
+@pytest.fixture(scope="session")
+def gemma_path() -> Path:
+    return _model(GEMMA)
+
+
+@pytest.fixture
+def isolated_home(tmp_path, monkeypatch) -> Path:
+    """A private EESD_HOME so a test never touches the user's cache."""
+    home = tmp_path / "eesd-home"
+    monkeypatch.setenv("EESD_HOME", str(home))
+    return home
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ.setdefault("NUMBA_CACHE_DIR", str(Path.home() / ".cache" / "eesd-local" / "numba"))

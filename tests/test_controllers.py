@@ -1,0 +1,198 @@
+"""Draft-length controllers: the engine's interface, the update semantics, same seed same
+decisions (compiled and with NUMBA_DISABLE_JIT=1), and what a decision costs."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from eesd_local.controllers import CONTROLLER_CHOICES, DEFAULT_CONTROLLER, make_controller
+from eesd_local.errors import EesdError
+from eesd_local.simulator import decision_cost, decision_trace
+
+SPECS = ["cost-ts", "beta-ts", "calibration-ts", "beta-ts:paper", "calibration-ts:paper", "fixed:3", "pmin:0.6", "heuristic"]
+
+
+def play(ctrl, rounds: int, accept: float = 0.8, seed: int = 7, t_token: float = 0.02) -> list[int]:
+    """Feed a controller rounds with i.i.d. acceptance; return the draft length of each round."""
+    rng = np.random.default_rng(seed)
+    lengths = []
+    for _ in range(rounds):
+        ctrl.begin_round()
+        confs: list[float] = []
+        conf = 1.0
+        while ctrl.draft_more(len(confs), conf):
+            conf = float(rng.uniform(0.3, 1.0))
+            confs.append(conf)
+        n_acc = 0
+        while n_acc < len(confs) and rng.random() < accept:
+            n_acc += 1
+        ctrl.end_round(np.array(confs), n_acc, 0.1 * t_token * len(confs), t_token * (1.0 + 0.01 * len(confs)))
+        lengths.append(len(confs))
+    return lengths
+
+
+def test_choices_and_default_are_valid_specs():
+    assert DEFAULT_CONTROLLER in CONTROLLER_CHOICES
+    for spec in CONTROLLER_CHOICES:
+        make_controller(spec.replace(":K", ":4").replace(":P", ":0.7"))
+
+
+@pytest.mark.parametrize("spec", ["", "beam", "fixed", "fixed:x", "fixed:9", "fixed:-1", "pmin:1.5", "pmin:abc", "beta-ts:fast", "heuristic:2"])
+def test_bad_spec_is_a_user_error(spec):
+    with pytest.raises(EesdError) as err:
+        make_controller(spec, max_draft=8)
+    assert err.value.hint and "fixed:4" in err.value.hint
+
+
+def test_bad_max_draft_is_a_user_error():
+    with pytest.raises(EesdError):
+        make_controller("cost-ts", max_draft=0)
+
+
+def test_names():
+    assert make_controller("fixed:4").name == "fixed:4"
+    assert make_controller("pmin").name == "pmin:0.75"
+    assert make_controller(" Cost-TS ").name == "cost-ts"
+    assert make_controller("beta-ts:paper").name == "beta-ts:paper"
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_never_drafts_past_max_draft(spec):
+    ctrl = make_controller(spec, max_draft=3, seed=1)
+    assert max(play(ctrl, 200, accept=1.0)) <= 3  # all accepted: every controller wants to go long
+    ctrl.begin_round()
+    assert not ctrl.draft_more(3, 1.0)
+    assert not ctrl.draft_more(4, 1.0)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_belief_has_the_panel_fields(spec):
+    ctrl = make_controller(spec, seed=3)
+    play(ctrl, 50)
+    b = ctrl.belief()
+    for key in ("mean", "lo", "hi", "expected_k"):
+        assert math.isfinite(b[key]), key
+    assert 0.0 <= b["lo"] <= b["mean"] <= b["hi"] <= 1.0
+    assert ctrl.state_dict()["rounds"] == 50
+
+
+def test_empty_round_is_a_plain_decode():
+    ctrl = make_controller("cost-ts")
+    ctrl.begin_round()
+    ctrl.end_round(np.zeros(0), 0, 0.0, 0.02)
+    assert ctrl.state_dict()["verify_mean_count"][0] == [0.02, 1.0]
+
+
+def test_fixed_pmin_heuristic_rules():
+    assert play(make_controller("fixed:3"), 5) == [3] * 5
+    assert play(make_controller("fixed:0"), 5) == [0] * 5
+    pmin = make_controller("pmin:0.5")
+    pmin.begin_round()
+    assert pmin.draft_more(0, 1.0) and pmin.draft_more(1, 0.9) and pmin.draft_more(2, 0.5)
+    assert not pmin.draft_more(3, 0.49)  # the doubtful token was drafted; drafting stops after it
+    h = make_controller("heuristic", max_draft=8)
+    seen = []
+    for n_acc in [5, 7, 0, 3, 9]:  # K = 5, all accepted: 7, all: 9 capped to 8, a miss: 7, a miss: 6
+        h.begin_round()
+        k = 0
+        while h.draft_more(k, 0.9):
+            k += 1
+        seen.append(k)
+        h.end_round(np.full(k, 0.9), min(n_acc, k), 0.0, 0.02)
+    assert seen == [5, 7, 8, 7, 6]
+
+
+def test_update_observes_accepted_positions_and_the_first_rejection_only():
+    ctrl = make_controller("calibration-ts", max_draft=6)
+    before = ctrl.state_dict()
+    ctrl.begin_round()
+    ctrl.end_round(np.array([0.9, 0.9, 0.9, 0.9, 0.9]), 2, 0.01, 0.02)
+    after = ctrl.state_dict()
+    pos_b, pos_a = np.array(before["positions_alpha_beta_predicted"]), np.array(after["positions_alpha_beta_predicted"])
+    assert pos_a[0, 0] == pos_b[0, 0] + 1 and pos_a[0, 1] == pos_b[0, 1]  # position 1 accepted
+    assert pos_a[1, 0] == pos_b[1, 0] + 1 and pos_a[1, 1] == pos_b[1, 1]  # position 2 accepted
+    assert pos_a[2, 0] == pos_b[2, 0] and pos_a[2, 1] == pos_b[2, 1] + 1  # position 3: the first rejection
+    assert np.array_equal(pos_a[3:], pos_b[3:])  # positions 4, 5 (and 6, not drafted) unobserved
+    bins_b, bins_a = np.array(before["bins_alpha_beta_predicted"]), np.array(after["bins_alpha_beta_predicted"])
+    changed = np.nonzero((bins_a != bins_b).any(axis=1))[0]
+    assert len(changed) == 1  # every token had confidence 0.9: one bin saw 2 accepts and 1 reject
+    b = changed[0]
+    assert bins_a[b, 0] + bins_a[b, 1] == pytest.approx(bins_b[b, 0] + bins_b[b, 1] + 3, rel=0.05)
+    assert after["pooled_alpha_beta"] == pytest.approx((before["pooled_alpha_beta"][0] + 2, before["pooled_alpha_beta"][1] + 1), rel=0.02)
+
+
+def test_cost_ts_measures_a_plain_decode_first():
+    ctrl = make_controller("cost-ts")
+    ctrl.begin_round()
+    assert not ctrl.draft_more(0, 1.0)
+
+
+@pytest.mark.parametrize("spec", ["cost-ts", "beta-ts", "calibration-ts", "beta-ts:paper"])
+def test_same_seed_same_decisions_and_other_seeds_differ(spec):
+    runs = [play(make_controller(spec, seed=s), 300, accept=0.7) for s in (5, 5, 6)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]  # the decisions really depend on the controller's own random draws
+
+
+def test_ts_learns_the_length():
+    """Beta-TS on a flat verify: long drafts when nearly all is accepted, short ones when little is."""
+    high = play(make_controller("beta-ts", seed=1), 400, accept=0.95)
+    low = play(make_controller("beta-ts", seed=1), 400, accept=0.3)
+    assert np.mean(high[-200:]) > 6.0
+    assert np.mean(low[-200:]) < 2.0
+
+
+_NO_JIT = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import numba
+    from eesd_local.simulator import decision_trace
+    assert numba.config.DISABLE_JIT, "NUMBA_DISABLE_JIT did not take"
+    out = {}
+    for i, (spec, proc, prof) in enumerate(CASES):
+        trace, state = decision_trace(spec, proc, prof, rounds=ROUNDS, seed=11)
+        out[f"trace{i}"] = trace
+        out[f"state{i}"] = state
+    np.savez(sys.argv[1], **out)
+    """
+)
+CASES = [
+    ("cost-ts", "conf", "cpu-d0.1"),
+    ("cost-ts", "iid-0.7", "cpu-d0.35"),  # the gate closes: probes only
+    ("beta-ts", "decay", "gpu-d0.1"),
+    ("calibration-ts", "conf", "gpu-d0.35"),
+    ("beta-ts:paper", "iid-0.7", "gpu-d0.1"),
+    ("calibration-ts:paper", "conf", "gpu-d0.1"),
+    ("pmin:0.75", "conf", "gpu-d0.1"),
+    ("heuristic", "iid-0.7", "gpu-d0.1"),
+]
+ROUNDS = 150
+
+
+def test_compiled_and_pure_python_make_identical_decisions(tmp_path):
+    path = tmp_path / "nojit.npz"
+    env = dict(os.environ, NUMBA_DISABLE_JIT="1")
+    code = f"CASES = {CASES!r}\nROUNDS = {ROUNDS}\n" + _NO_JIT
+    subprocess.run([sys.executable, "-c", code, str(path)], check=True, env=env, timeout=300)
+    nojit = np.load(path)
+    for i, (spec, proc, prof) in enumerate(CASES):
+        trace, state = decision_trace(spec, proc, prof, rounds=ROUNDS, seed=11)
+        assert trace[:, 2].any(), f"{spec}: no drafts at all, the comparison would be empty"
+        assert np.array_equal(trace, nojit[f"trace{i}"]), f"{spec} on {proc}/{prof}: decisions differ without JIT"
+        assert np.array_equal(state, nojit[f"state{i}"]), f"{spec} on {proc}/{prof}: final state differs without JIT"
+
+
+def test_a_decision_costs_under_two_microseconds_compiled():
+    for spec in ("cost-ts", "calibration-ts", "beta-ts"):
+        c = decision_cost(spec, n=100_000)
+        print(f"{spec}: {c['decide_ns']:.0f} ns per draft_more compiled, {c['round_ns']:.0f} ns per round "
+              f"({c['decisions_per_round']:.1f} decisions), {c['python_call_ns']:.0f} ns per call from Python")
+        assert c["decide_ns"] < 2000, c

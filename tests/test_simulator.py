@@ -1,0 +1,123 @@
+"""The adaptive controllers against the best fixed draft length in hindsight, in the simulator.
+
+Fixed seeds and 4000 rounds per run: the runs are deterministic, and the worst margins
+(measured over seeds 0-3) are about 1% above the thresholds asserted here.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+
+from eesd_local.commands import simulate as simulate_command
+from eesd_local.errors import EesdError
+from eesd_local.simulator import (
+    PROCESSES,
+    PROFILES,
+    SWITCH,
+    T_TOKEN,
+    adaptation,
+    best_fixed,
+    simulate,
+    throughput,
+)
+
+STATIONARY = [name for name, p in PROCESSES.items() if p.kind != SWITCH]
+GPU = [name for name, p in PROFILES.items() if p.verify_kind == "gpu"]
+CPU = [name for name, p in PROFILES.items() if p.verify_kind == "cpu"]
+
+
+def relative(spec: str, process: str, profile: str, rounds: int = 4000) -> float:
+    _, best = best_fixed(PROCESSES[process], PROFILES[profile], rounds=rounds)
+    return throughput(simulate(spec, PROCESSES[process], PROFILES[profile], rounds=rounds)) / best
+
+
+def test_fixed_k_throughput_is_the_closed_form():
+    """iid p, fixed k: E[tokens] = sum_{i<=k} p^i per round of k d + V(k+1) target-token times."""
+    prof = PROFILES["cpu-d0.35"]
+    v = prof.verify(8)
+    for k in (0, 1, 3, 8):
+        expected = sum(0.7**i for i in range(k + 1)) / ((k * prof.draft_cost + v[k]) * T_TOKEN)
+        assert throughput(simulate(f"fixed:{k}", PROCESSES["iid-0.7"], prof, rounds=500)) == pytest.approx(expected, rel=1e-9)
+    assert v[[0, 1, 3, 4, 7]] == pytest.approx([1.0, 1.86, 2.7, 3.65, 4.8])  # design.md's measured curve
+
+
+def test_profiles_and_processes_cover_both_regimes():
+    """The GPU profiles reward long drafts, the CPU ones mostly do not: the tests below need both."""
+    assert best_fixed(PROCESSES["iid-0.9"], PROFILES["gpu-d0.1"])[0] == 8
+    assert best_fixed(PROCESSES["iid-0.9"], PROFILES["cpu-d0.1"])[0] == 3
+    assert all(best_fixed(PROCESSES[p], PROFILES["cpu-d0.35"])[0] == 0 for p in STATIONARY)
+
+
+@pytest.mark.parametrize("profile", GPU)
+@pytest.mark.parametrize("spec", ["beta-ts", "calibration-ts", "cost-ts"])
+def test_ts_reaches_97_percent_of_best_fixed_k_on_gpu(spec, profile):
+    worst = min((relative(spec, p, profile), p) for p in STATIONARY)
+    assert worst[0] >= 0.97, f"{spec} on {worst[1]}/{profile}: {worst[0]:.3f} of the best fixed k"
+
+
+@pytest.mark.parametrize("profile", CPU)
+def test_cost_ts_reaches_97_percent_of_best_fixed_k_on_cpu(profile):
+    worst = min((relative("cost-ts", p, profile), p) for p in STATIONARY)
+    assert worst[0] >= 0.97, f"cost-ts on {worst[1]}/{profile}: {worst[0]:.3f} of the best fixed k"
+
+
+@pytest.mark.parametrize("process", STATIONARY)
+def test_cost_ts_ends_within_2_percent_of_plain_decoding_where_nothing_pays(process):
+    prof = PROFILES["cpu-d0.35"]
+    assert best_fixed(PROCESSES[process], prof)[0] == 0  # nothing pays here
+    out = simulate("cost-ts", PROCESSES[process], prof, rounds=6000)
+    plain = throughput(simulate("fixed:0", PROCESSES[process], prof, rounds=100))
+    end = throughput(out[-3000:]) / plain
+    assert end >= 0.98, f"cost-ts on {process}: {end:.3f} of plain decoding over its last 3000 rounds"
+    assert np.mean(out[-3000:, 2] > 0) < 0.05  # it drafts in few rounds (one-token probes)
+
+
+@pytest.mark.parametrize("profile", GPU)
+def test_cost_ts_adapts_within_200_rounds_of_a_regime_switch(profile):
+    a = adaptation("cost-ts", PROCESSES["switch"], PROFILES[profile])
+    assert 0 <= a.to_easy <= 200, a.to_easy
+    assert 0 <= a.to_hard <= 200, a.to_hard
+
+
+def test_cost_ts_stops_drafting_within_200_rounds_when_the_cpu_stops_paying():
+    a = adaptation("cost-ts", PROCESSES["switch"], PROFILES["cpu-d0.1"])
+    assert 0 <= a.to_hard <= 200, a.to_hard
+
+
+def test_the_thresholds_can_fail():
+    """Controllers that do not adapt fall below the bars the tests above hold the TS ones to."""
+    assert relative("beta-ts:paper", "iid-0.7", "gpu-d0.1") < 0.9  # geometric draft lengths
+    assert relative("beta-ts", "iid-0.7", "cpu-d0.35") < 0.9  # assumes a flat verify cost on the CPU
+    assert relative("fixed:8", "iid-0.9", "gpu-d0.35") < 0.97
+    a = adaptation("fixed:4", PROCESSES["switch"], PROFILES["gpu-d0.1"])
+    assert a.to_easy == -1 or a.to_easy > 200 or a.to_hard == -1 or a.to_hard > 200
+
+
+def test_calibration_uses_confidence():
+    """On the confidence-correlated process, the calibrated controllers beat every fixed k."""
+    assert relative("calibration-ts", "conf", "gpu-d0.1") > 1.01
+    assert relative("cost-ts", "conf", "gpu-d0.1") > 1.01
+    assert relative("beta-ts", "conf", "gpu-d0.1") < 1.01
+
+
+def _cli(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    simulate_command.register(parser.add_subparsers())
+    return parser.parse_args(["simulate", *argv])
+
+
+def test_cli_prints_the_table(capsys):
+    args = _cli("--controllers", "cost-ts,fixed:2", "--processes", "iid-0.7,switch", "--profiles", "gpu-d0.1", "--rounds", "500")
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "[gpu-d0.1]" in out and "cost-ts" in out and "fixed:2" in out and "rounds after a switch" in out
+
+
+def test_cli_rejects_unknown_names():
+    with pytest.raises(EesdError):
+        simulate_command.run(_cli("--processes", "nope"))
+    with pytest.raises(EesdError):
+        simulate_command.run(_cli("--controllers", "nope", "--rounds", "500"))
