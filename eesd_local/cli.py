@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "eesd_local.commands.generate",
     "eesd_local.commands.convert",
     "eesd_local.commands.simulate",
+    "eesd_local.commands.heads",
 ]
 
 

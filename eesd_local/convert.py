@@ -132,7 +132,7 @@ def read_safetensors(path: Path) -> dict[str, Tensor]:
                 raise ValueError("header length out of range")
             header = json.loads(fh.read(n))
     except OSError as exc:
-        raise EesdError(f"cannot read {path}: {exc.strerror}") from None
+        raise EesdError(f"cannot read {path}: {exc.strerror}", hint="check the file's permissions") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise EesdError(f"{path} is not a valid safetensors file ({exc})", hint="re-save the checkpoint with save_pretrained") from None
     header.pop("__metadata__", None)
@@ -170,9 +170,9 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
-        raise EesdError(f"cannot read {path}: {exc.strerror}") from None
+        raise EesdError(f"cannot read {path}: {exc.strerror}", hint="check the file's permissions") from None
     except ValueError as exc:
-        raise EesdError(f"{path} is not valid JSON ({exc})") from None
+        raise EesdError(f"{path} is not valid JSON ({exc})", hint="the checkpoint is damaged: save or download it again") from None
 
 
 def _optional_json(path: Path) -> dict[str, Any]:
@@ -258,13 +258,13 @@ def read_vocab(hf_dir: Path, vocab_size: int) -> Vocab:
         reachable = len(text) == 1 or text in merged  # a byte, or what a merge makes; else BPE never yields it
         tokens[i], types[i] = text, (gguf.TokenType.NORMAL if reachable else gguf.TokenType.UNUSED).value
     for a in added:
-        kind = gguf.TokenType.CONTROL if a.get("special") else gguf.TokenType.USER_DEFINED
-        tokens[a["id"]], types[a["id"]] = a["content"], kind.value
+        added_type = gguf.TokenType.CONTROL if a.get("special") else gguf.TokenType.USER_DEFINED
+        tokens[a["id"]], types[a["id"]] = a["content"], added_type.value
         ids[a["content"]] = a["id"]
 
     tok_config = _optional_json(hf_dir / "tokenizer_config.json")
     gen_config = _optional_json(hf_dir / "generation_config.json")
-    special = {}
+    special: dict[str, int] = {}
     for kind in ("bos", "eos", "pad", "unk"):
         content = _token_content(tok_config.get(f"{kind}_token"))
         fallback = gen_config.get(f"{kind}_token_id")

@@ -47,7 +47,10 @@ def _init_backend() -> None:
 
 
 def default_threads() -> int:
-    """Physical-ish core count: llama.cpp is memory bound, hyper-threads do not help."""
+    """``EESD_THREADS`` or the number of cores (llama.cpp's results do not depend on it)."""
+    env = os.environ.get("EESD_THREADS")
+    if env:
+        return max(1, int(env))
     return max(1, os.cpu_count() or 1)
 
 

@@ -8,7 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from eesd_local import registry
+# set before llama.cpp loads: idle OpenMP threads sleep instead of spinning, which keeps
+# tests fair on a shared machine (results are the same either way)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from eesd_local import registry  # noqa: E402
 
 QWEN05 = "qwen2.5-coder-0.5b-instruct"
 QWEN15 = "qwen2.5-coder-1.5b-instruct"

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -78,12 +79,13 @@ def demo_hf(qwen05_path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def converted(demo_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def converted(demo_hf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     out = tmp_path_factory.mktemp("convert") / "demo-f16.gguf"
     steps = []
     assert convert(demo_hf, out, outtype="f16", progress=lambda done, total, name: steps.append((done, total))) == out
     assert steps[-1][0] == steps[-1][1] == len(steps)
-    return out
+    yield out
+    out.unlink()  # 1.3 GB: do not keep it among pytest's last three temp dirs
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +212,32 @@ def test_tiny_llama_logits_match_transformers(tiny_llama, tmp_path, outtype, min
     print(f"{outtype}: logit correlation {corr:.6f}, argmax agreement {agreement:.2%}")
     assert corr > min_corr
     assert agreement >= min_agreement
+
+
+def test_tiny_qwen2_tied_embeddings_and_biases(tiny_tokenizer, tmp_path):
+    torch.manual_seed(1)
+    n_vocab = len(json.loads((tiny_tokenizer / "tokenizer.json").read_text())["model"]["vocab"])
+    config = transformers.Qwen2Config(
+        vocab_size=n_vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.2, tie_word_embeddings=True,
+    )
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:  # biases start at zero: make them count
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(std=0.5)
+    model.save_pretrained(tmp_path / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_tokenizer / name, tmp_path / "hf" / name)
+    out = convert(tmp_path / "hf", tmp_path / "qwen2.gguf")
+    names = [t.name for t in gguf.GGUFReader(out).tensors]
+    assert "output.weight" not in names and "blk.1.attn_k.bias" in names
+    ids = list(range(300, 400))
+    with torch.no_grad():
+        expected = model(torch.tensor([ids])).logits[0].numpy()
+    llm = _llama(out, n_ctx=256, logits_all=True)
+    llm.eval(ids)
+    assert np.corrcoef(expected.ravel(), np.asarray(llm.scores[: len(ids)]).ravel())[0, 1] > 0.9999
 
 
 def test_tiny_tokenizer_matches_tokenizers_library(tiny_llama, tmp_path):

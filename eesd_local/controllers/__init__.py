@@ -30,7 +30,9 @@ from .rng import seed_words  # noqa: E402
 from .thompson import BIN_PRIOR, bin_prior_mean  # noqa: E402
 
 CONTROLLER_CHOICES = ["cost-ts", "beta-ts", "calibration-ts", "fixed:K", "pmin:P", "heuristic"]
-DEFAULT_CONTROLLER = "cost-ts"  # best in `eesd simulate` on every process and cost profile; see module docs
+# cost-ts: >= 0.98 of the best fixed k in hindsight on every process and cost profile of `eesd simulate`
+# (beta-ts and calibration-ts match it on the flat GPU profiles but fall to 0.56-0.89 on this CPU's curve)
+DEFAULT_CONTROLLER = "cost-ts"
 DEFAULT_PMIN = 0.75  # llama.cpp's default p_min for greedy speculative decoding
 TS_EPS = 0.01  # a round that plans no draft drafts one token with this chance
 TS_FORGET = 0.99  # theta_1 keeps ~100 observations: it follows a change of regime in ~50-130 rounds (simulator)

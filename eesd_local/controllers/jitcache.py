@@ -49,9 +49,10 @@ def install() -> bool:
         from numba.core import caching
     except ImportError:
         return False
-    bases = [getattr(caching, name, None) for name in ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator")]
+    names = ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator")
+    bases = [b for b in (getattr(caching, name, None) for name in names) if isinstance(b, type)]
     impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl", None)
-    if impl is None or None in bases or not isinstance(getattr(impl, "_locator_classes", None), list):
+    if len(bases) != len(names) or not isinstance(getattr(impl, "_locator_classes", None), list):
         return False
-    impl._locator_classes[:0] = [_stamped(b) for b in bases]
+    impl._locator_classes[:0] = [_stamped(b) for b in bases]  # type: ignore[union-attr]
     return True

@@ -22,7 +22,7 @@ RNG_WORDS = 4
 def seed_words(seed: int) -> list[int]:
     """Four non-zero 32-bit words from a seed, by splitmix64 (plain Python, run once)."""
     x = seed & MASK64
-    words = []
+    words: list[int] = []
     while len(words) < RNG_WORDS:
         x = (x + 0x9E3779B97F4A7C15) & MASK64
         z = x

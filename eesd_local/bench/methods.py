@@ -1,0 +1,261 @@
+"""The methods a benchmark compares, each behind one small interface.
+
+A method turns prompt tokens into a :class:`Turn`: the generated tokens and the times a
+user waits for (prefill up to the first token, then the rest), plus the drafting
+figures. Our engine runs every drafter (``none`` is plain decoding through the same
+loop); the peers are llama-cpp-python's ``Llama`` in the same process, plain and with
+its ``LlamaPromptLookupDecoding``, timed the same way from outside.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from ..errors import EesdError
+from ..events import FinishEvent, TokenEvent
+
+PEER = "llama-cpp-python"
+PEER_LOOKUP = "llama-cpp-python-lookup"
+ENGINE_DRAFTERS = ("none", "eesd", "lookup", "draft-model", "hierarchical")
+METHOD_HELP = ("none, eesd, eesd-fixed:K, lookup, draft-model, hierarchical (any drafter takes -fixed:K), "
+               f"{PEER}, {PEER_LOOKUP}[:N]")
+# separate draft models of the same vocabulary, by target registry name
+DEFAULT_DRAFT_MODELS = {"qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-0.5b-instruct"}
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str  # as written on the command line
+    drafter: str = "none"  # an engine drafter, or "peer"
+    controller: str | None = None  # None: the engine's default controller
+    peer_lookup: int = 0  # llama-cpp-python-lookup: num_pred_tokens (0 here: the default for the device)
+
+    @property
+    def is_peer(self) -> bool:
+        return self.drafter == "peer"
+
+    @property
+    def needs_head(self) -> bool:
+        return self.drafter in ("eesd", "hierarchical")
+
+
+def parse_methods(text: str, controller: str | None = None) -> list[MethodSpec]:
+    """``none,eesd,eesd-fixed:4,lookup,...`` -> specs; ``none`` (the baseline) always comes first."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    specs: list[MethodSpec] = []
+    for name in names:
+        specs.append(_parse_one(name, controller))
+    if len({s.name for s in specs}) != len(specs):
+        raise EesdError(f"--methods names a method twice: {text}")
+    specs = [s for s in specs if s.name != "none"]
+    return [MethodSpec("none")] + specs
+
+
+def _parse_one(name: str, controller: str | None) -> MethodSpec:
+    if name in ENGINE_DRAFTERS:
+        return MethodSpec(name, name, None if name == "none" else controller)
+    m = re.fullmatch(r"(eesd|lookup|draft-model|hierarchical)-fixed:(\d+)", name)
+    if m:
+        if int(m.group(2)) < 1:
+            raise EesdError(f"method {name}: K must be at least 1", hint="e.g. eesd-fixed:4")
+        return MethodSpec(name, m.group(1), f"fixed:{m.group(2)}")
+    if name == PEER:
+        return MethodSpec(name, "peer")
+    m = re.fullmatch(re.escape(PEER_LOOKUP) + r"(?::(\d+))?", name)
+    if m:
+        k = int(m.group(1) or 0)
+        if m.group(1) and k < 1:
+            raise EesdError(f"method {name}: N must be at least 1")
+        return MethodSpec(name, "peer", peer_lookup=k or -1)
+    raise EesdError(f"unknown method {name!r}", hint=f"methods: {METHOD_HELP}")
+
+
+def default_draft_model(model_path: Path) -> str | None:
+    from ..registry import registry_name_for
+
+    return DEFAULT_DRAFT_MODELS.get(registry_name_for(model_path) or "")
+
+
+@dataclass
+class Turn:
+    """One generation: what came out, how long the user waited, what the drafter did."""
+
+    tokens: list[int]
+    text: str
+    t_prefill: float  # request start -> first token (prompt processing and the first token)
+    t_decode: float  # first token -> last token: everything after the prompt, drafting included
+    n_rounds: int = 0  # target verifications after the first token
+    n_drafted: int = 0
+    n_accepted: int = 0
+    t_draft: float = 0.0
+    drafted_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+    draft_lengths: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+class Method(Protocol):
+    spec: MethodSpec
+    drafter: str  # what actually drafts, e.g. "eesd" or "hierarchical(lookup>eesd)"
+    controller: str
+    model_bytes: int  # weights this method loads (target + drafter)
+
+    def generate(self, prompt: list[int], s: Sampling) -> Turn: ...
+
+    def close(self) -> None: ...
+
+
+class EngineMethod:
+    """Our engine with one drafter; the times are taken from outside, as for the peers."""
+
+    def __init__(self, spec: MethodSpec, engine: Any) -> None:
+        self.spec = spec
+        self.engine = engine
+        self.drafter = engine.drafter.name
+        self.controller = "-" if spec.drafter == "none" else str(getattr(engine.controller, "name", spec.controller))
+        draft = getattr(engine.drafter, "model", None) or getattr(getattr(engine.drafter, "inner", None), "model", None)
+        self.model_bytes = int(engine.model.size_bytes) + (int(draft.size_bytes) if draft is not None else 0)
+
+    def generate(self, prompt: list[int], s: Sampling) -> Turn:
+        tokens: list[int] = []
+        t_first = t_last = 0.0
+        fin: FinishEvent | None = None
+        t0 = time.perf_counter()
+        events = self.engine.generate(prompt, max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k,
+                                      top_p=s.top_p, seed=s.seed)
+        try:
+            for ev in events:
+                if isinstance(ev, TokenEvent):
+                    t_last = time.perf_counter()
+                    t_first = t_first or t_last
+                    tokens.append(ev.token)
+                elif isinstance(ev, FinishEvent):
+                    fin = ev
+        finally:
+            events.close()  # on Ctrl-C this runs the engine's KV rollback
+        assert fin is not None
+        st = fin.stats
+        if not tokens:
+            t_first = t_last = time.perf_counter()
+        return Turn(tokens, fin.text, t_first - t0, t_last - t_first, st.n_rounds, st.n_drafted, st.n_accepted,
+                    st.t_draft, list(st.drafted_at), list(st.accepted_at), list(st.draft_lengths))
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _counting_draft(inner: Any) -> Any:
+    """llama-cpp-python's draft model wrapped to count drafts and time them: it yields
+    plain tokens, so acceptance is read off which yielded tokens equal the draft."""
+    from llama_cpp.llama_speculative import LlamaDraftModel
+
+    class CountingDraft(LlamaDraftModel):
+        def __init__(self) -> None:
+            self.start()
+
+        def start(self) -> None:
+            self.turn = Turn([], "", 0.0, 0.0)
+            self.draft: list[int] = []
+            self.pos = 0
+
+        def __call__(self, input_ids: Any, /, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            out = inner(input_ids, **kwargs)
+            tr = self.turn
+            tr.t_draft += time.perf_counter() - t
+            self.draft = [int(x) for x in out]
+            self.pos = 0
+            tr.n_rounds += 1
+            tr.n_drafted += len(self.draft)
+            tr.draft_lengths.append(len(self.draft))
+            while len(tr.drafted_at) < len(self.draft):
+                tr.drafted_at.append(0)
+                tr.accepted_at.append(0)
+            for i in range(len(self.draft)):
+                tr.drafted_at[i] += 1
+            return out
+
+        def see(self, token: int) -> None:
+            # Llama.generate yields the target's token at each drafted position and stops the round at the first miss
+            if self.pos < len(self.draft) and token == self.draft[self.pos]:
+                self.turn.n_accepted += 1
+                self.turn.accepted_at[self.pos] += 1
+                self.pos += 1
+            else:
+                self.pos = len(self.draft)
+
+    return CountingDraft()
+
+
+class PeerMethod:
+    """llama-cpp-python's own ``Llama`` generation (optionally with its prompt-lookup drafts)."""
+
+    def __init__(self, spec: MethodSpec, model_path: Path, *, n_ctx: int, n_threads: int, n_gpu_layers: int,
+                 is_eog: Callable[[int], bool]) -> None:
+        from llama_cpp import Llama, llama_model_size
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        self.spec = spec
+        self.is_eog = is_eog
+        self.counter = None
+        self.drafter, self.controller = "llama-cpp-python", "-"
+        if spec.peer_lookup:
+            # llama-cpp-python's documented advice: 10 predicted tokens on a GPU, 2 on CPU only
+            k = spec.peer_lookup if spec.peer_lookup > 0 else (10 if n_gpu_layers else 2)
+            self.counter = _counting_draft(LlamaPromptLookupDecoding(num_pred_tokens=k))
+            self.drafter, self.controller = "llama-cpp-python prompt lookup", f"num_pred_tokens={k}"
+        self.llm = Llama(model_path=str(model_path), n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
+                         n_gpu_layers=n_gpu_layers, draft_model=self.counter, verbose=False)
+        self.model_bytes = int(llama_model_size(self.llm.model))
+
+    def generate(self, prompt: list[int], s: Sampling) -> Turn:
+        llm, counter = self.llm, self.counter
+        if counter is not None:
+            counter.start()
+        if s.seed is not None:
+            llm.set_seed(s.seed)
+        tokens: list[int] = []
+        t_first = t_last = 0.0
+        t0 = time.perf_counter()
+        gen = llm.generate(prompt, temp=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=0.0, typical_p=1.0,
+                           repeat_penalty=1.0)
+        try:
+            for tok in gen:
+                if self.is_eog(tok):
+                    break
+                t_last = time.perf_counter()
+                t_first = t_first or t_last
+                tokens.append(int(tok))
+                if counter is not None:
+                    counter.see(int(tok))
+                if len(tokens) >= s.max_tokens:
+                    break
+        finally:
+            gen.close()
+        if not tokens:
+            t_first = t_last = time.perf_counter()
+        text = llm.detokenize(tokens).decode("utf-8", "replace")
+        turn = Turn(tokens, text, t_first - t0, t_last - t_first)
+        if counter is not None:
+            c = counter.turn
+            turn.n_rounds, turn.n_drafted, turn.n_accepted, turn.t_draft = c.n_rounds, c.n_drafted, c.n_accepted, c.t_draft
+            turn.drafted_at, turn.accepted_at, turn.draft_lengths = c.drafted_at, c.accepted_at, c.draft_lengths
+        else:
+            turn.n_rounds = max(0, len(tokens) - 1)  # one target call per token after the first
+        return turn
+
+    def close(self) -> None:
+        self.llm.close()

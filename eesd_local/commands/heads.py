@@ -1,0 +1,149 @@
+"""``eesd heads train|eval|build|info``: exit heads for the early-exit drafter."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..errors import EesdError
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("heads", help="train, evaluate and inspect exit heads (EESD drafter)")
+    sub = p.add_subparsers(dest="heads_command", metavar="ACTION")
+    sub.required = True
+
+    t = sub.add_parser("train", help="train an exit head by self-distillation")
+    t.add_argument("--model", "-m", required=True, help="registry name or GGUF path of the base model")
+    t.add_argument("--exit-layer", "-n", type=int, required=True, help="N: the draft runs blocks 0..N-1 of the base plus the trained exit block")
+    t.add_argument("-o", "--output", required=True, type=Path, help="head GGUF to write")
+    t.add_argument("--data", type=Path, default=None, help="directory of teacher shards (default: the cache, per model)")
+    t.add_argument("--tokens", type=int, default=60000, help="teacher tokens to generate/have on disk before training (default 60000)")
+    t.add_argument("--teacher-minutes", type=float, default=None, help="stop generating teacher data after this long")
+    t.add_argument("--epochs", type=float, default=3.0)
+    t.add_argument("--lr", type=float, default=3e-4)
+    t.add_argument("--batch-tokens", type=int, default=2048)
+    t.add_argument("--threads", type=int, default=2)
+    t.add_argument("--parallel", type=int, default=8, help="sequences the teacher generates together")
+    t.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    t.add_argument("--force", action="store_true", help="overwrite the output head")
+    t.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("eval", help="agreement of a head's draft with the model's own greedy output, and implied tau")
+    e.add_argument("--model", "-m", required=True)
+    e.add_argument("--head", required=False, type=Path, default=None, help="head GGUF (default: the shipped head for the model)")
+    e.add_argument("--prompts", type=Path, default=None, help="JSONL with id, category, prompt|messages (default: models/eval_prompts.jsonl)")
+    e.add_argument("--max-new", type=int, default=128)
+    e.add_argument("--threads", type=int, default=2)
+    e.add_argument("--cost", type=float, default=None, help="draft/target cost per token (default: measured)")
+    e.add_argument("--json", action="store_true", help="print the report as JSON")
+    e.set_defaults(func=cmd_eval)
+
+    b = sub.add_parser("build", help="build (or find cached) the draft GGUF for base + head")
+    b.add_argument("--model", "-m", required=True)
+    b.add_argument("--head", type=Path, default=None)
+    b.add_argument("--force", action="store_true", help="rebuild even if cached")
+    b.set_defaults(func=cmd_build)
+
+    i = sub.add_parser("info", help="show a head's metadata")
+    i.add_argument("head", type=Path)
+    i.set_defaults(func=cmd_info)
+
+
+def _head_for(model_path: Path, head: Path | None) -> Path:
+    from ..heads import find_head
+
+    if head is not None:
+        return head
+    found = find_head(model_path)
+    if found is None:
+        raise EesdError(f"no exit head found for {model_path.name}", hint="pass --head HEAD.gguf, or train one: eesd heads train --model MODEL --exit-layer N -o HEAD.gguf")
+    return found
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from ..atomic import check_overwrite
+    from ..heads import fingerprint
+    from ..heads.headfile import check_exit_layer, model_info
+    from ..paths import cache_dir
+    from ..registry import resolve_model
+    from ..heads import data, teacher, train
+
+    model = resolve_model(args.model)
+    info = model_info(model)
+    check_exit_layer(args.exit_layer, info["n_layer"], args.model)
+    check_overwrite(args.output, args.force)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise EesdError("--device cuda was asked for but PyTorch sees no CUDA device", hint="use --device cpu")
+    data_dir = args.data or cache_dir("heads-data") / fingerprint(model)
+    print(f"teacher data: {data_dir} (target {args.tokens} tokens)", file=sys.stderr)
+    cfg = teacher.TeacherConfig(n_parallel=args.parallel, threads=args.threads)
+
+    def tprog(d: dict) -> None:
+        print(f"\rteacher: {d['tokens']} tokens, {d['new'] / max(d['elapsed'], 1e-9):.1f} tok/s", end="", file=sys.stderr)
+
+    teacher.run_teacher(model, data.training_items(), data_dir, cfg=cfg, budget_tokens=args.tokens, time_limit_s=(args.teacher_minutes or 1e9) * 60, progress=tprog)
+    print(file=sys.stderr)
+    train.cache_trunk_states(model, data_dir, (args.exit_layer,), threads=args.threads, progress=lambda m: print(m, file=sys.stderr))
+    tcfg = train.TrainConfig(exit_layer=args.exit_layer, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, threads=args.threads)
+    summary = train.train_head(
+        model,
+        data_dir,
+        args.output,
+        tcfg,
+        device=args.device,
+        log=lambda m: print(m, file=sys.stderr),
+        data_summary={"teacher_tokens": teacher.count_tokens(data_dir), "mix": "own greedy answers to stdlib code tasks + ShareGPT requests (train range), stdlib source teacher-forced"},
+        force=args.force,
+    )
+    print(json.dumps({k: summary[k] for k in ("steps", "epochs", "train_tokens", "final_loss", "agreement", "throughput_tok_s")}, indent=1))
+    print(f"wrote {args.output}")
+    return 130 if summary.get("interrupted") else 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from ..heads import evaluate
+    from ..registry import models_dir, resolve_model
+
+    model = resolve_model(args.model)
+    head = _head_for(model, args.head)
+    prompts = args.prompts or models_dir() / "eval_prompts.jsonl"
+    rep = evaluate.evaluate(model, head, prompts, max_new=args.max_new, threads=args.threads, cost=args.cost)
+    if args.json:
+        print(json.dumps(rep, indent=1))
+        return 0
+    print(f"head {head}  draft {rep['draft']}")
+    if rep["cost_ratio"] is not None:
+        print(f"draft cost per token / target: {rep['cost_ratio']:.3f}")
+    for cat, e in rep["categories"].items():
+        print(f"\n[{cat}] {e['sequences']} answers, {e['tokens']} tokens, top-1 agreement {e['agreement']:.3f}")
+        print("  k:          " + " ".join(f"{k:>6}" for k in range(1, 9)))
+        print("  tau (runs): " + " ".join(f"{e['tau_runs'][k]:>6.2f}" for k in range(1, 9)))
+        print("  tau (iid):  " + " ".join(f"{e['tau_iid'][k]:>6.2f}" for k in range(1, 9)))
+        if "speedup_gpu_like" in e:
+            print("  speedup GPU-like: " + " ".join(f"{e['speedup_gpu_like'][k]:>6.2f}" for k in range(1, 9)))
+            print("  speedup this CPU: " + " ".join(f"{e['speedup_cpu'][k]:>6.2f}" for k in range(1, 9)))
+    return 0
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from ..heads import build_draft
+    from ..registry import resolve_model
+
+    model = resolve_model(args.model)
+    print(build_draft(model, _head_for(model, args.head), force=args.force))
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from ..heads import read_head_info
+
+    info = read_head_info(args.head)
+    info.pop("history", None)
+    print(json.dumps(info, indent=1, default=str))
+    return 0

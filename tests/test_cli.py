@@ -1,0 +1,112 @@
+"""`eesd generate` and `eesd models` as a user runs them: output, stats line, and one clean
+error (exit code 2, no traceback) for each bad input."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import llama_cpp
+import pytest
+
+from eesd_local.engine import load
+
+from .conftest import QWEN05
+
+PROMPT = "Write a Python function that reverses a string."
+
+
+def eesd(*args: str, env: dict[str, str] | None = None, timeout: int = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "eesd_local.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def test_generate_equals_llama_cpp_python_greedy(qwen05_path):
+    """Plain decoding through our runtime gives llama-cpp-python's own greedy text."""
+    n = 48
+    with load(QWEN05, drafter="none", n_ctx=1024, n_threads=2) as eng:
+        for messages in ([{"role": "user", "content": PROMPT}], [{"role": "user", "content": "What is a closure?"}]):
+            prompt = eng.apply_chat_template(messages)
+            ours = eng.run(prompt, max_tokens=n)
+            ref = llama_cpp.Llama(str(qwen05_path), n_ctx=1024, n_threads=2, verbose=False)
+            theirs = ref.create_completion(prompt, max_tokens=ours.stats.n_generated, temperature=0.0)
+            ref.close()
+            assert ours.text == theirs["choices"][0]["text"]
+            raw = eng.run("def fibonacci(n):", max_tokens=24)
+            ref = llama_cpp.Llama(str(qwen05_path), n_ctx=1024, n_threads=2, verbose=False)
+            assert raw.text == ref.create_completion("def fibonacci(n):", max_tokens=raw.stats.n_generated, temperature=0.0)["choices"][0]["text"]
+            ref.close()
+
+
+def test_generate_cli_by_name_and_by_path(qwen05_path):
+    r = eesd("generate", "--model", QWEN05, "--chat", "--prompt", PROMPT, "--temp", "0", "--max-tokens", "40", "--drafter", "lookup")
+    assert r.returncode == 0, r.stderr
+    assert "def " in r.stdout and "[::-1]" in r.stdout or "reverse" in r.stdout.lower()
+    assert "tok/s" in r.stderr and "drafter lookup" in r.stderr
+    r2 = eesd("generate", "--model", str(qwen05_path), "--chat", "--prompt", PROMPT, "--temp", "0", "--max-tokens", "40", "--drafter", "lookup")
+    assert r2.returncode == 0 and r2.stdout == r.stdout
+
+
+def _clean_error(r: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr
+    assert r.stderr.startswith("eesd: error:")
+    for n in needles:
+        assert n in r.stderr
+
+
+def test_bad_inputs_give_one_clean_error(tmp_path, qwen05_path):
+    _clean_error(eesd("generate", "--model", str(tmp_path / "nope.gguf"), "--prompt", "x"), "not found", "nope.gguf")
+    junk = tmp_path / "junk.gguf"
+    junk.write_text("hello, not a model")
+    _clean_error(eesd("generate", "--model", str(junk), "--prompt", "x"), "not a GGUF")
+    _clean_error(eesd("generate", "--model", "qwen-9000", "--prompt", "x"), "unknown model", "qwen2.5-coder-0.5b-instruct")
+    _clean_error(eesd("models", "pull", "qwen-9000"), "unknown model")
+    _clean_error(eesd("generate", "--model", QWEN05, "--ctx", "64", "--prompt", "word " * 200), "context")
+    _clean_error(eesd("generate", "--model", QWEN05, "--prompt", "x", "--temp", "-1"), "temperature")
+    _clean_error(eesd("generate", "--model", QWEN05, "--prompt", "x", "--top-p", "0"), "top_p")
+    blocker = tmp_path / "file-not-dir"
+    blocker.write_text("")
+    _clean_error(eesd("generate", "--model", QWEN05, "--prompt", "x", env={"EESD_HOME": str(blocker)}), "cache directory")
+
+
+def test_models_list_shows_presence(qwen05_path):
+    r = eesd("models", "list")
+    assert r.returncode == 0
+    assert "qwen2.5-coder-0.5b" in r.stdout and "yes" in r.stdout
+
+
+def test_interrupt_is_clean(qwen05_path, tmp_path):
+    """Ctrl-C mid-answer: exit 130, no traceback, no file left behind."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "eesd_local.cli", "generate", "--model", QWEN05, "--prompt", "def f(x):",
+                             "--max-tokens", "400", "--drafter", "lookup"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    assert proc.stdout is not None
+    proc.stdout.read(1)  # wait for the first streamed character
+    while time.time() < deadline and proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            continue
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "interrupted" in err
+
+
+@pytest.mark.parametrize("cmd", [["--help"], ["generate", "--help"], ["models", "--help"]])
+def test_help(cmd):
+    r = eesd(*cmd)
+    assert r.returncode == 0 and "usage" in r.stdout
+
+
+def test_no_half_written_model_after_failed_pull(tmp_path):
+    home = tmp_path / "home"
+    r = eesd("models", "pull", QWEN05, env={"EESD_HOME": str(home), "EESD_INDEX_URL": "http://127.0.0.1:9/simple"}, timeout=60)
+    _clean_error(r, "package index")
+    assert not any(p.suffix == ".gguf" for p in Path(home).rglob("*"))

@@ -1,0 +1,282 @@
+"""Exit heads: head files, the draft builder, llama.cpp loading, shipped-head lookup, training.
+
+Most tests use a tiny random qwen2 GGUF (4 blocks, width 64) written here with the real
+Qwen2.5 tokenizer copied from the demo model, so that llama.cpp loads it; they are skipped
+when the demo model is not in the cache.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from eesd_local.errors import EesdError
+
+gguf = pytest.importorskip("gguf")
+
+DEMO = Path(os.environ.get("EESD_HOME_REAL", str(Path.home() / ".cache" / "eesd-local"))) / "models" / "qwen2.5-coder-0.5b-instruct.gguf"
+needs_demo = pytest.mark.skipif(not DEMO.is_file(), reason="demo model not in the cache (eesd models pull qwen2.5-coder-0.5b-instruct)")
+
+D, FF, HEADS, KV, LAYERS = 64, 128, 4, 2, 4
+
+
+@pytest.fixture(autouse=True)
+def _isolated_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("EESD_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("EESD_HEADS_DIR", str(tmp_path / "no-heads"))
+
+
+def write_tiny_model(path: Path, seed: int) -> Path:
+    """A random 4-block qwen2 GGUF with the demo model's tokenizer."""
+    rng = np.random.default_rng(seed)
+    src = gguf.GGUFReader(str(DEMO))
+    w = gguf.GGUFWriter(str(path), "qwen2")
+    for key, f in src.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key.startswith("qwen2."):
+            continue
+        sub = f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
+    w.add_uint32("qwen2.block_count", LAYERS)
+    w.add_uint32("qwen2.context_length", 2048)
+    w.add_uint32("qwen2.embedding_length", D)
+    w.add_uint32("qwen2.feed_forward_length", FF)
+    w.add_uint32("qwen2.attention.head_count", HEADS)
+    w.add_uint32("qwen2.attention.head_count_kv", KV)
+    w.add_float32("qwen2.rope.freq_base", 10000.0)
+    w.add_float32("qwen2.attention.layer_norm_rms_epsilon", 1e-6)
+    n_vocab = len(src.fields["tokenizer.ggml.tokens"].data)
+    q8 = gguf.GGMLQuantizationType.Q8_0
+
+    def mat(rows, cols, scale=0.08):
+        return (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+
+    w.add_tensor("token_embd.weight", gguf.quants.quantize(mat(n_vocab, D, 0.5), q8), raw_dtype=q8)
+    kvd = D // HEADS * KV
+    for i in range(LAYERS):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(D, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(D, np.float32))
+        for name, (r, c) in {"attn_q": (D, D), "attn_k": (kvd, D), "attn_v": (kvd, D), "attn_output": (D, D), "ffn_gate": (FF, D), "ffn_up": (FF, D), "ffn_down": (D, FF)}.items():
+            w.add_tensor(f"blk.{i}.{name}.weight", gguf.quants.quantize(mat(r, c), q8), raw_dtype=q8)
+        for name, r in {"attn_q": D, "attn_k": kvd, "attn_v": kvd}.items():
+            w.add_tensor(f"blk.{i}.{name}.bias", (rng.standard_normal(r) * 0.02).astype(np.float32))
+    w.add_tensor("output_norm.weight", np.ones(D, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    if not DEMO.is_file():
+        pytest.skip("demo model not in the cache")
+    d = tmp_path_factory.mktemp("tiny")
+    return write_tiny_model(d / "tiny-a.gguf", 1), write_tiny_model(d / "tiny-b.gguf", 2)
+
+
+def _head(base: Path, out: Path, n: int, **meta) -> Path:
+    from eesd_local.heads import headfile
+
+    tensors = headfile.base_block_tensors(base, LAYERS - 1)
+    tensors["attn_q.weight"] = tensors["attn_q.weight"] * 1.5  # differs from any base block
+    return headfile.write_head(out, base_path=base, exit_layer=n, tensors=tensors, meta={"agreement": {"all": 0.5}, **meta})
+
+
+@needs_demo
+def test_head_round_trip(tiny, tmp_path):
+    from eesd_local.heads import fingerprint, headfile, read_head_info
+
+    base = tiny[0]
+    src = headfile.base_block_tensors(base, LAYERS - 1)
+    hp = _head(base, tmp_path / "h.gguf", 2, steps=7, final_loss=1.25)
+    info = read_head_info(hp)
+    assert info["exit_layer"] == 2 and info["arch"] == "qwen2" and info["base_n_layer"] == LAYERS
+    assert info["base_fingerprint"] == fingerprint(base)
+    assert info["steps"] == 7 and info["final_loss"] == 1.25 and info["agreement"] == {"all": 0.5}
+    back = headfile.head_tensors(hp)
+    assert np.allclose(back["attn_q.weight"], src["attn_q.weight"] * 1.5, atol=0.01)
+    assert np.array_equal(back["attn_q.bias"], src["attn_q.bias"])  # 1-d tensors stay float32
+
+
+@needs_demo
+def test_fingerprint_distinguishes_models_and_is_cached(tiny):
+    from eesd_local.heads import fingerprint
+
+    a, b = tiny
+    fa = fingerprint(a)
+    assert fa != fingerprint(b)
+    t0 = time.perf_counter()
+    assert fingerprint(a) == fa
+    assert time.perf_counter() - t0 < 0.5
+
+
+@needs_demo
+def test_draft_copies_base_tensors_byte_for_byte(tiny, tmp_path):
+    from eesd_local.heads import build_draft
+
+    base = tiny[0]
+    n = 2
+    hp = _head(base, tmp_path / "h.gguf", n)
+    draft = build_draft(base, hp)
+    assert draft.parent.name == "drafts"
+    b = {t.name: t for t in gguf.GGUFReader(str(base)).tensors}
+    h = {t.name: t for t in gguf.GGUFReader(str(hp)).tensors}
+    r = gguf.GGUFReader(str(draft))
+    assert r.fields["qwen2.block_count"].contents() == n + 1
+    names = {t.name for t in r.tensors}
+    assert not any(x.startswith(f"blk.{n + 1}.") for x in names)
+    for t in r.tensors:
+        if t.name == "token_embd.weight" or any(t.name.startswith(f"blk.{i}.") for i in range(n)):
+            assert t.tensor_type == b[t.name].tensor_type
+            assert bytes(t.data) == bytes(b[t.name].data), t.name
+        elif t.name.startswith(f"blk.{n}.") or t.name == "output_norm.weight":
+            assert bytes(t.data) == bytes(h[t.name].data), t.name
+    assert "output.weight" in names
+
+
+@needs_demo
+def test_draft_is_cached_and_atomic(tiny, tmp_path):
+    from eesd_local.heads import build_draft
+
+    base = tiny[0]
+    hp = _head(base, tmp_path / "h.gguf", 1)
+    d1 = build_draft(base, hp)
+    m1 = d1.stat().st_mtime_ns
+    t0 = time.perf_counter()
+    d2 = build_draft(base, hp)
+    assert d2 == d1 and d2.stat().st_mtime_ns == m1
+    assert time.perf_counter() - t0 < 2.0
+    assert not [p for p in d1.parent.iterdir() if ".tmp-" in p.name]
+    # a changed head gives a new draft; force rebuilds in place
+    hp2 = _head(base, tmp_path / "h2.gguf", 1, steps=99)
+    assert build_draft(base, hp2) != d1
+    assert build_draft(base, hp, force=True) == d1
+
+
+@needs_demo
+def test_wrong_base_is_refused_naming_both(tiny, tmp_path):
+    from eesd_local.heads import build_draft
+
+    a, b = tiny
+    hp = _head(a, tmp_path / "h.gguf", 2)
+    with pytest.raises(EesdError) as exc:
+        build_draft(b, hp)
+    msg = str(exc.value)
+    assert "tiny-b.gguf" in msg and "was made for" in msg
+    drafts = Path(os.environ["EESD_HOME"]) / "drafts"
+    assert not drafts.exists() or not list(drafts.iterdir())
+
+
+@needs_demo
+@pytest.mark.parametrize("n", [0, LAYERS, LAYERS + 3, -1])
+def test_bad_exit_layer(tiny, tmp_path, n):
+    with pytest.raises(EesdError, match="outside"):
+        _head(tiny[0], tmp_path / "h.gguf", n)
+    assert not (tmp_path / "h.gguf").exists()
+
+
+@needs_demo
+def test_truncated_and_foreign_heads(tiny, tmp_path):
+    from eesd_local.heads import build_draft, read_head_info
+
+    base = tiny[0]
+    hp = _head(base, tmp_path / "h.gguf", 2)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(hp.read_bytes()[: hp.stat().st_size // 2])
+    with pytest.raises(EesdError, match="truncated|corrupt"):
+        build_draft(base, cut)
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf at all" * 10)
+    with pytest.raises(EesdError, match="not a GGUF"):
+        read_head_info(junk)
+    with pytest.raises(EesdError, match="not an exit head"):
+        read_head_info(base)  # a model, not a head
+    drafts = Path(os.environ["EESD_HOME"]) / "drafts"
+    assert not drafts.exists() or not list(drafts.iterdir())
+
+
+@needs_demo
+def test_llama_cpp_loads_the_draft(tiny, tmp_path):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from eesd_local.heads import build_draft
+
+    base = tiny[0]
+    draft = build_draft(base, _head(base, tmp_path / "h.gguf", 2))
+    llm = llama_cpp.Llama(model_path=str(draft), n_ctx=128, n_threads=1, verbose=False)
+    assert llm.n_vocab() == 151936
+    out = llm.create_completion("def add(a, b):", max_tokens=6, temperature=0.0)
+    assert out["usage"]["completion_tokens"] >= 1
+
+
+@needs_demo
+def test_find_head_by_fingerprint(tiny, tmp_path, monkeypatch):
+    from eesd_local.heads import find_head
+
+    a, b = tiny
+    heads = tmp_path / "heads"
+    heads.mkdir()
+    monkeypatch.setenv("EESD_HEADS_DIR", str(heads))
+    hp = _head(a, heads / "tiny-a-head.gguf", 2)
+    (heads / "junk.gguf").write_bytes(b"GGUF\x03\x00")  # unreadable files are skipped
+    assert find_head(a) == hp
+    assert find_head(b) is None
+
+
+@needs_demo
+def test_shipped_head_for_demo_model_is_found(monkeypatch):
+    from eesd_local.heads import find_head, read_head_info
+    from eesd_local.registry import models_dir
+
+    monkeypatch.delenv("EESD_HEADS_DIR")
+    head = find_head(DEMO)
+    assert head is not None and head.parent == models_dir()
+    info = read_head_info(head)
+    assert info["arch"] == "qwen2" and 1 <= info["exit_layer"] < 24
+    assert head.stat().st_size <= 21 * 1024 * 1024
+
+
+@needs_demo
+def test_training_loss_falls(tiny, tmp_path):
+    torch = pytest.importorskip("torch")
+    from eesd_local.heads import read_head_info, train
+    from eesd_local.heads.torchmodel import GGUFWeights, Trunk
+
+    base = tiny[0]
+    data = tmp_path / "data"
+    data.mkdir()
+    # teacher = the tiny model's own full forward (top-8), on random token sequences
+    trunk = Trunk(base, LAYERS)
+    w = GGUFWeights(base)
+    emb = torch.from_numpy(w.get("token_embd.weight"))
+    rng = np.random.default_rng(0)
+    tokens, offsets, n_prompt, ids, logp = [], [0], [], [], []
+    for _ in range(40):
+        seq = rng.integers(0, 2000, 48).astype(np.int32)
+        h = torch.from_numpy(trunk.hidden_states(seq, (LAYERS,))[LAYERS].astype(np.float32))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        lp = torch.log_softmax(h @ emb.T * 4.0, -1)
+        v, i = torch.topk(lp, 8, -1)
+        i[-1] = -1
+        tokens.append(seq)
+        offsets.append(offsets[-1] + len(seq))
+        n_prompt.append(8)
+        ids.append(i.numpy().astype(np.int32))
+        logp.append(v.numpy().astype(np.float16))
+    np.savez(
+        data / "teacher-00000.npz", tokens=np.concatenate(tokens), offsets=np.array(offsets), n_prompt=np.array(n_prompt, np.int32),
+        topk_ids=np.concatenate(ids), topk_logp=np.concatenate(logp), ids=np.array([f"s{i}" for i in range(40)]), categories=np.array(["code"] * 40),
+    )
+    train.cache_trunk_states(base, data, (1,), threads=1)
+    cfg = train.TrainConfig(exit_layer=1, epochs=12, lr=3e-3, batch_tokens=512, top_k=8, negatives=64, threads=1, eval_every=10, ckpt_every=1000)
+    out = tmp_path / "head.gguf"
+    s = train.train_head(base, data, out, cfg, use_bar=False, log=lambda m: None)
+    losses = [h["loss"] for h in s["history"] if "loss" in h]
+    assert len(losses) >= 3 and losses[-1] < 0.8 * losses[0], losses
+    info = read_head_info(out)
+    assert info["exit_layer"] == 1 and info["steps"] == s["steps"]
+    assert (tmp_path / "head.gguf.ckpt").exists()
