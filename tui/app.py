@@ -82,6 +82,7 @@ class ChatApp(App[None]):
         self.generating = False
         self.colouring = False
         self.last_saved: Path | None = None
+        self.status_text = ""
         self._stop_requested = False
         self._quitting = False
 
@@ -118,6 +119,7 @@ class ChatApp(App[None]):
         self.sub_title = f"{model} · drafter {self.engine.drafter.name} · controller {self.engine.controller.name}"
 
     def set_status(self, text: str, *, error: bool = False) -> None:
+        self.status_text = text
         status = self.query_one("#status", Static)
         status.update(Text(text))
         status.set_class(error, "error")

@@ -2,10 +2,11 @@
 
 Every method is loaded into this one process and warmed up; then each prompt goes
 through method A, B, C... before the next prompt starts, so machine noise hits all
-methods alike. ``none`` (plain decoding) always runs first on a prompt: its output is
-the reference every other method's greedy output must equal, and every mismatch is
-certified (or not) as a near tie of the target's two best logits.
-Ctrl-C ends the loop; what was measured so far stays in the results.
+methods alike. ``none`` (plain decoding) is always one of them: its output is the
+reference every other method's greedy output must equal, and every mismatch is
+certified (or not) as a near tie of the target's two best logits. The order of the
+methods rotates from prompt to prompt. Ctrl-C ends the loop; the prompts that every
+method finished stay in the results.
 """
 
 from __future__ import annotations
@@ -204,7 +205,7 @@ def run_item(method: Method, item: PromptItem, ref: EngineMethod, s: Sampling, n
 def certify(ref: EngineMethod, plain: Run, other: Run, s: Sampling, n_ctx: int) -> Mismatch | None:
     """The first divergence of ``other`` from plain decoding, with its near-tie certificate."""
     model = ref.engine.model
-    for t, (pa, pb, ta, tb) in enumerate(zip(plain.prompts, other.prompts, plain.turns, other.turns)):
+    for t, (pa, pb, ta, tb) in enumerate(zip(plain.prompts, other.prompts, plain.turns, other.turns, strict=False)):
         if pa != pb or ta.tokens == tb.tokens:
             continue  # (prompts differ only after an earlier turn diverged, which was returned)
         div = lossless.compare(model, pa, ta.tokens, tb.tokens, n_ctx=n_ctx)
@@ -296,17 +297,20 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> Results:
             for k, item in enumerate(items):
                 seed = None if cfg.temperature == 0 else cfg.seed + 100_003 * rep + k
                 s = Sampling(cfg.max_tokens, cfg.temperature, cfg.top_k, cfg.top_p, seed)
-                plain: Run | None = None
-                for m in methods:
+                # the order rotates from prompt to prompt, so no method always runs first or last
+                shift = (rep * len(items) + k) % len(methods)
+                runs: dict[str, Run] = {}
+                for m in methods[shift:] + methods[:shift]:
                     report(done, res.n_planned, f"{m.spec.name} · {item.category}/{item.id}")
-                    run = run_item(m, item, ref, s, cfg.n_ctx, rep)
-                    if plain is None:
-                        plain = run
-                    elif cfg.temperature == 0:
+                    runs[m.spec.name] = run_item(m, item, ref, s, cfg.n_ctx, rep)
+                    done += 1
+                plain = runs["none"]
+                for m in methods:  # a prompt counts once every method has run it
+                    run = runs[m.spec.name]
+                    if run is not plain and cfg.temperature == 0:
                         run.mismatch = certify(ref, plain, run, s, cfg.n_ctx)
                     res.runs.append(run)
-                    done += 1
-                    report(done, res.n_planned, f"{m.spec.name} · {item.category}/{item.id}")
+                report(done, res.n_planned, f"{item.category}/{item.id} done")
         res.complete = True
     except KeyboardInterrupt:
         res.complete = False
@@ -354,12 +358,4 @@ def _gpu_name() -> str | None:
             return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
         except (OSError, subprocess.SubprocessError):
             return None
-    if sys.platform == "darwin":
-        return "Apple Silicon (Metal)" if platform_is_arm() else None
-    return "GPU offload (name unknown)"
-
-
-def platform_is_arm() -> bool:
-    import platform
-
-    return platform.machine() in ("arm64", "aarch64")
+    return "Metal" if sys.platform == "darwin" else "GPU offload (name unknown)"

@@ -65,11 +65,10 @@ def _head_for(model_path: Path, head: Path | None) -> Path:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from ..atomic import check_overwrite
-    from ..heads import fingerprint
+    from ..heads import data, fingerprint, teacher, train
     from ..heads.headfile import check_exit_layer, model_info
     from ..paths import cache_dir
     from ..registry import resolve_model
-    from ..heads import data, teacher, train
 
     model = resolve_model(args.model)
     info = model_info(model)

@@ -1,7 +1,8 @@
 """The three entry points every controller state goes through, dispatched on its kind.
 
 C-friendly signatures, so the native round loop can take the same code as Numba
-``cfunc``s later (see :func:`eesd_local.controllers.cfuncs`):
+``cfunc``s later: wrap each as ``cfunc(sig)(lambda ptr, n, ...: kernel(carray(ptr, n), ...))``
+with the state as (double*, length):
 
     controller_begin(state: float64[:]) -> None
     controller_decide(state: float64[:], step: int64, confidence: float64) -> int64 (1: draft one more)

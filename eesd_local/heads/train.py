@@ -66,7 +66,7 @@ def cache_trunk_states(base_path: Path, data_dir: Path, layers: tuple[int, ...],
 
     torch.set_num_threads(threads)
     shards = teacher.shard_paths(data_dir)
-    todo = [s for s in shards if any(not (p := s.with_name(s.name.replace("teacher-", f"trunk-N{n}-").replace(".npz", ".npy"))).exists() for n in layers)]
+    todo = [s for s in shards if any(not (_p := s.with_name(s.name.replace("teacher-", f"trunk-N{n}-").replace(".npz", ".npy"))).exists() for n in layers)]
     if not todo:
         return
     from .torchmodel import Trunk

@@ -1,0 +1,175 @@
+"""From measured runs to the figures: per method and category, the JSON, the tables.
+
+Rates are totals over the runs (tokens after the first / seconds after the first
+token), not means of per-prompt rates; ``speedup`` is a method's rate over ``none``'s
+on the same prompts of the same run. ``tau`` is tokens emitted per target
+verification after the first token; ``draft_cost`` is the drafter's seconds per drafted
+token relative to ``none``'s seconds per token. ``lossless`` (greedy only) is true when
+every output equals plain decoding or each mismatch is a certified near tie;
+``identical`` counts outputs equal token for token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from .runner import Results, Run, machine_info
+
+ALL = "all"
+REQUIRED_KEYS = ("tokens_per_s", "speedup", "tau", "acceptance_rate", "lossless", "n_prompts", "memory_overhead")
+
+
+def _rate(runs: list[Run]) -> tuple[int, float]:
+    n = sum(max(0, len(t.tokens) - 1) for r in runs for t in r.turns)
+    secs = sum(t.t_decode for r in runs for t in r.turns)
+    return n, secs
+
+
+def _div(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def figures(res: Results, method: str, runs: list[Run], plain: dict[tuple[str, str, int], Run]) -> dict[str, Any]:
+    """The figures of one method over ``runs`` (one category, or all of them)."""
+    info = res.methods[method]
+    base = res.methods["none"]
+    turns = [t for r in runs for t in r.turns]
+    n_tok, secs = _rate(runs)
+    paired = [r for r in runs if (r.category, r.item, r.repeat) in plain]
+    ref = [plain[(r.category, r.item, r.repeat)] for r in paired]
+    m_rate, r_rate = _rate(paired), _rate(ref)
+    tps_m, tps_r = _div(*m_rate), _div(*r_rate)
+    rounds = sum(t.n_rounds for t in turns)
+    drafted = sum(t.n_drafted for t in turns)
+    accepted = sum(t.n_accepted for t in turns)
+    t_draft = sum(t.t_draft for t in turns)
+    width = max((len(t.drafted_at) for t in turns), default=0)
+    d_at = [sum(t.drafted_at[i] for t in turns if i < len(t.drafted_at)) for i in range(width)]
+    a_at = [sum(t.accepted_at[i] for t in turns if i < len(t.accepted_at)) for i in range(width)]
+    per_target_token = _div(r_rate[1], r_rate[0])  # none's seconds per token on these prompts
+    draft_cost = None
+    if drafted and per_target_token:
+        draft_cost = (t_draft / drafted) / per_target_token
+    greedy = res.config.temperature == 0
+    mismatches = [asdict(r.mismatch) for r in runs if r.mismatch is not None]
+    return {
+        "tokens_per_s": _div(n_tok, secs),
+        "speedup": 1.0 if method == "none" and runs else (tps_m / tps_r if tps_m and tps_r else None),
+        "tau": _div(accepted + rounds, rounds),
+        "acceptance_rate": _div(accepted, drafted),
+        "lossless": (all(m["near_tie"] for m in mismatches) if runs else None) if greedy else None,
+        "identical": len(runs) - len(mismatches) if greedy else None,
+        "mismatches": mismatches,
+        "n_prompts": len({(r.category, r.item) for r in runs}),
+        "n_runs": len(runs),
+        "n_generated": sum(len(t.tokens) for t in turns),
+        "prefill_s": _div(sum(t.t_prefill for t in turns), len(turns)),
+        "acceptance_by_position": [a / d if d else None for a, d in zip(a_at, d_at, strict=True)],
+        "mean_draft_length": _div(drafted, rounds),
+        "draft_cost": draft_cost,
+        "model_bytes": info.model_bytes,
+        "memory_overhead": info.model_bytes - base.model_bytes,
+        "rss_growth_bytes": info.rss_growth_bytes,
+        "drafter": info.drafter,
+        "controller": info.controller,
+    }
+
+
+def summarize(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
+    """method -> category (plus "all" when there are several) -> figures."""
+    plain = {(r.category, r.item, r.repeat): r for r in res.runs if r.method == "none"}
+    cats = list(res.categories)
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for method in res.methods:
+        mine = [r for r in res.runs if r.method == method]
+        out[method] = {c: figures(res, method, [r for r in mine if r.category == c], plain) for c in cats}
+        if len(cats) > 1:
+            out[method][ALL] = figures(res, method, mine, plain)
+    return out
+
+
+def to_json(res: Results, command: str) -> dict[str, Any]:
+    cfg = res.config
+    return {
+        "model": cfg.model,
+        "machine": machine_info(cfg, res.n_threads),
+        "methods": summarize(res),
+        "run": {
+            "command": command,
+            "date": res.started,
+            "model_path": res.model_path,
+            "prompts": cfg.prompts,
+            "categories": res.categories,
+            "n_prompts_per_category": cfg.n_prompts,
+            "max_tokens": cfg.max_tokens,
+            "temperature": cfg.temperature,
+            "top_k": cfg.top_k,
+            "top_p": cfg.top_p,
+            "repeats": cfg.repeats,
+            "draft_max": cfg.draft_max,
+            "n_ctx": cfg.n_ctx,
+            "complete": res.complete,
+            "runs_done": len(res.runs),
+            "runs_planned": res.n_planned,
+            "peak_rss_bytes": res.peak_rss_bytes,
+        },
+    }
+
+
+# --- tables ---------------------------------------------------------------------------
+
+
+def _f(x: Any, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _lossless(fig: dict[str, Any]) -> str:
+    if fig["lossless"] is None:
+        return "-"
+    mm = fig["mismatches"]
+    if not mm:
+        return "yes"
+    ties = sum(m["near_tie"] for m in mm)
+    return f"{'yes' if fig['lossless'] else 'NO'} ({len(mm)} diff, {ties} near-tie)"
+
+
+def tables(res: Results, summary: dict[str, dict[str, dict[str, Any]]]) -> list[Any]:
+    """One rich Table per category."""
+    from rich.table import Table
+
+    cats = [c for c in [*res.categories, ALL] if any(c in v for v in summary.values())]
+    out = []
+    for cat in cats:
+        t = Table(title=f"{cat}", title_justify="left")
+        for col in ("method", "tok/s", "speedup", "tau", "accept", "draft len", "draft cost", "prefill s", "lossless",
+                    "+MB vs none", "prompts"):
+            t.add_column(col, justify="left" if col in ("method", "lossless") else "right")
+        for method, by_cat in summary.items():
+            f = by_cat.get(cat)
+            if f is None or not f["n_runs"]:
+                continue
+            t.add_row(method, _f(f["tokens_per_s"], ".2f"), _f(f["speedup"], ".2f"), _f(f["tau"], ".2f"),
+                      _f(f["acceptance_rate"], ".0%"), _f(f["mean_draft_length"], ".2f"), _f(f["draft_cost"], ".2f"),
+                      _f(f["prefill_s"], ".2f"), _lossless(f), _f(f["memory_overhead"] / 1e6, ".0f"), str(f["n_prompts"]))
+        out.append(t)
+    return out
+
+
+def markdown(res: Results, summary: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """The same tables as Markdown (for BENCHMARKS.md)."""
+    lines = []
+    cats = [c for c in [*res.categories, ALL] if any(c in v for v in summary.values())]
+    for cat in cats:
+        lines += [f"**{cat}**", "",
+                  "| method | tok/s | speedup | tau | accept | draft len | draft cost | prefill s | lossless | +MB vs none | prompts |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+        for method, by_cat in summary.items():
+            f = by_cat.get(cat)
+            if f is None or not f["n_runs"]:
+                continue
+            lines.append(f"| {method} | {_f(f['tokens_per_s'], '.2f')} | {_f(f['speedup'], '.2f')} | {_f(f['tau'], '.2f')} | "
+                         f"{_f(f['acceptance_rate'], '.0%')} | {_f(f['mean_draft_length'], '.2f')} | {_f(f['draft_cost'], '.2f')} | "
+                         f"{_f(f['prefill_s'], '.2f')} | {_lossless(f)} | {_f(f['memory_overhead'] / 1e6, '.0f')} | {f['n_prompts']} |")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,151 @@
+"""``eesd bench``: every method side by side on the same prompts, in one process.
+
+Tables go to stdout, the progress bar to stderr; ``--json`` and ``--plots`` write the
+figures for other tools. Ctrl-C stops the run and reports what was measured so far.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from ..atomic import check_overwrite, write_text_atomic
+from ..bench.methods import METHOD_HELP
+from ..bench.prompts import BUILTIN_SETS
+from ..bench.runner import BenchConfig
+from ..errors import EesdError
+from ..registry import DEFAULT_MODEL, known_models
+
+# flag -> BenchConfig field, in the order the command line is written back; the argparse dest
+# is the flag's name unless listed in _DESTS
+_FLAGS = (
+    ("--model", "model"), ("--head", "head"), ("--draft-model", "draft_model"), ("--prompts", "prompts"),
+    ("--category", "categories"), ("--n-prompts", "n_prompts"), ("--methods", "methods"), ("--controller", "controller"),
+    ("--max-tokens", "max_tokens"), ("--temp", "temperature"), ("--top-k", "top_k"), ("--top-p", "top_p"), ("--seed", "seed"),
+    ("--repeats", "repeats"), ("--warmup-tokens", "warmup_tokens"), ("--draft-max", "draft_max"), ("--ctx", "n_ctx"),
+    ("--n-gpu-layers", "n_gpu_layers"), ("--threads", "n_threads"),
+)
+_DESTS = {"temperature": "temp", "n_ctx": "ctx", "n_threads": "threads"}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="benchmark methods side by side: speed, acceptance, losslessness, memory",
+        description="Run prompts x methods interleaved in one process after a warm-up and report, per method and "
+        "category, tokens/s, speedup vs plain decoding, tau, acceptance, draft cost, memory and whether greedy "
+        "output equals plain decoding.",
+    )
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL, help=f"registry name or GGUF path (default {DEFAULT_MODEL})")
+    p.add_argument("--head", help="exit-head GGUF for the eesd methods (default: the shipped head for the model)")
+    p.add_argument("--draft-model", help="draft model for draft-model (default: qwen2.5-coder-0.5b-instruct for the 1.5B)")
+    p.add_argument("--prompts", required=True, metavar="SETS",
+                   help=f"a JSONL file or a built-in set ({', '.join(BUILTIN_SETS)}); several comma-separated")
+    p.add_argument("--category", dest="categories", nargs="+", action="extend", metavar="C", help="only these categories")
+    p.add_argument("--n-prompts", type=int, default=20, metavar="N",
+                   help="prompts per category, evenly spaced over the set (default 20; 0: all)")
+    p.add_argument("--methods", default="none,eesd,lookup", metavar="LIST", help=f"comma-separated: {METHOD_HELP} (default %(default)s)")
+    p.add_argument("--controller", help="controller of the eesd/lookup/draft-model/hierarchical methods (default: the engine's)")
+    p.add_argument("--max-tokens", "-n", type=int, default=128, help="tokens generated per prompt (per turn; default 128)")
+    p.add_argument("--temp", type=float, default=0.0, help="temperature (default 0: greedy, where losslessness is checked)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="base seed for sampling (default 0)")
+    p.add_argument("--repeats", type=int, default=1, help="passes over the prompts (default 1)")
+    p.add_argument("--warmup-tokens", type=int, default=16, help="tokens of one warm-up generation per method (default 16; 0: none)")
+    p.add_argument("--draft-max", type=int, default=8, help="most tokens drafted per round (default 8)")
+    p.add_argument("--ctx", type=int, default=4096, help="context size of every method (default 4096)")
+    p.add_argument("--n-gpu-layers", type=int, default=0, help="layers to offload to the GPU (-1: all)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads of every method (default: all cores)")
+    p.add_argument("--json", metavar="OUT", help="write the figures as JSON")
+    p.add_argument("--plots", metavar="DIR", help="write PNG plots (speedup, acceptance by position, draft length)")
+    p.add_argument("--markdown", metavar="OUT.md", help="write the tables as Markdown")
+    p.add_argument("--force", action="store_true", help="overwrite existing output files")
+    p.set_defaults(func=run)
+
+
+def bench_config(args: argparse.Namespace) -> BenchConfig:
+    return BenchConfig(**{field: getattr(args, _DESTS.get(field, field)) for _, field in _FLAGS})
+
+
+def command_line(cfg: BenchConfig, args: argparse.Namespace) -> str:
+    """The exact command, written back from the parsed options (defaults included)."""
+    words = ["eesd", "bench"]
+    for flag, field in _FLAGS:
+        value = getattr(cfg, field)
+        if value is None:
+            continue
+        if isinstance(value, list):
+            words += [flag, *value]
+        else:
+            words += [flag, str(value)]
+    for flag, value in (("--json", args.json), ("--plots", args.plots), ("--markdown", args.markdown)):
+        if value:
+            words += [flag, value]
+    return shlex.join(words)
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    from ..bench.plots import PLOTS
+
+    for out in (args.json, args.markdown):
+        if out:
+            check_overwrite(Path(out), args.force)
+    if args.plots:
+        for name in PLOTS:
+            check_overwrite(Path(args.plots) / name, args.force)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from ..bench import report
+    from ..bench.runner import run_bench
+    from .models import pull_with_progress
+
+    cfg = bench_config(args)
+    if cfg.n_prompts < 0:
+        raise EesdError(f"--n-prompts must be 0 (all) or more, got {cfg.n_prompts}")
+    _check_outputs(args)
+    for name in (cfg.model, cfg.draft_model):
+        if name and name in known_models():
+            pull_with_progress(name)
+    err = Console(stderr=True)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("elapsed"),
+               TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn())
+    with Progress(*columns, console=err, transient=True) as bar:
+        task = bar.add_task("bench", total=None)
+
+        def progress(done: int, total: int, what: str) -> None:
+            bar.update(task, completed=done, total=total, description=what[:60])
+
+        res = run_bench(cfg, progress)
+    summary = report.summarize(res)
+    out = Console() if sys.stdout.isatty() else Console(width=160)  # a file or pipe gets whole tables
+    if not res.complete:
+        err.print(f"[bold]interrupted[/bold]: {len(res.runs)} of {res.n_planned} runs measured (prompts every method "
+                  "finished); the figures cover those.")
+    for table in report.tables(res, summary):
+        out.print(table)
+    if res.peak_rss_bytes:
+        out.print(f"process peak RSS {res.peak_rss_bytes / 1e9:.2f} GB (all methods loaded in this process)")
+    for name, info in res.methods.items():
+        out.print(f"  {name}: drafter {info.drafter}, controller {info.controller}, model {info.model_bytes / 1e6:.0f} MB")
+    command = command_line(cfg, args)
+    if args.json:
+        import json
+
+        write_text_atomic(args.json, json.dumps(report.to_json(res, command), indent=1) + "\n")
+        err.print(f"wrote {args.json}")
+    if args.markdown:
+        write_text_atomic(args.markdown, f"`{command}`\n\n" + report.markdown(res, summary))
+        err.print(f"wrote {args.markdown}")
+    if args.plots and res.runs:
+        from ..bench.plots import write_plots
+
+        for path in write_plots(res, summary, Path(args.plots), Path(res.model_path).stem):
+            err.print(f"wrote {path}")
+    return 0 if res.complete else 130

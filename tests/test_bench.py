@@ -1,0 +1,169 @@
+"""``eesd bench``: prompt files and built-in sets, method specs, a tiny real run through the
+CLI (JSON keys, losslessness, plots), mismatch certification, and Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import eesd_local
+from eesd_local import cli
+from eesd_local.bench import REQUIRED_KEYS, load_prompts, runner
+from eesd_local.bench.methods import EngineMethod, MethodSpec, Sampling, parse_methods
+from eesd_local.bench.prompts import chat_set, code_set, rewrite_set
+from eesd_local.errors import EesdError
+from eesd_local.heads.data import heldout_sharegpt_range, is_heldout_module, sharegpt_records
+
+from .conftest import QWEN05
+
+LINES = [
+    {"id": "raw", "category": "code", "prompt": "def add(a, b):\n    return"},
+    {"id": "msg", "category": "code", "messages": [{"role": "system", "content": "Be brief."},
+                                                   {"role": "user", "content": "Say hi."}]},
+    {"id": "mt", "category": "chat", "turns": ["Name a colour.", "And another?"]},
+    {"id": "nocat", "prompt": "Hello"},
+]
+
+
+def _write(path, lines):
+    path.write_text("\n".join(json.dumps(x) if isinstance(x, dict) else x for x in lines) + "\n\n")
+    return path
+
+
+def test_prompt_file_parsing(tmp_path):
+    items = load_prompts(str(_write(tmp_path / "p.jsonl", LINES)))
+    by_id = {it.id: it for it in items}
+    assert by_id["raw"].prompt.startswith("def add") and by_id["raw"].n_turns == 1
+    assert by_id["msg"].messages == (("system", "Be brief."), ("user", "Say hi."))
+    assert by_id["mt"].turns == ("Name a colour.", "And another?") and by_id["mt"].n_turns == 2
+    assert by_id["nocat"].category == "default"
+    # categories take turns; a filter keeps only the named ones
+    assert [it.id for it in items] == ["raw", "mt", "nocat", "msg"]
+    assert [it.id for it in load_prompts(str(tmp_path / "p.jsonl"), categories=["chat"])] == ["mt"]
+    assert [it.id for it in load_prompts(str(tmp_path / "p.jsonl"), categories=["code"], n_per_category=1)] == ["raw"]
+
+
+@pytest.mark.parametrize("line, words", [
+    ('{"prompt": "x"}', "no 'id'"),
+    ('{"id": 1, "prompt": "x", "turns": ["y"]}', "exactly one"),
+    ('{"id": 1, "turns": []}', "'turns'"),
+    ('{"id": 1, "messages": [{"role": "assistant", "content": "x"}]}', "last message"),
+    ('{"id": 1, "prompt": "x"', "not valid JSON"),
+    ('["x"]', "JSON object"),
+])
+def test_bad_prompt_lines_name_the_line(tmp_path, line, words):
+    path = _write(tmp_path / "bad.jsonl", ['{"id": 0, "prompt": "ok"}', line])
+    with pytest.raises(EesdError) as e:
+        load_prompts(str(path))
+    assert f"{path}:2" in e.value.message and words in e.value.message
+
+
+def test_unknown_set_and_category():
+    with pytest.raises(EesdError, match="no prompt set"):
+        load_prompts("nonsense")
+    with pytest.raises(EesdError, match="category"):
+        load_prompts("code", categories=["chat"])
+
+
+def test_builtin_sets_hold_no_training_records():
+    code = code_set()
+    assert len(code) == 164 and all(it.id.startswith("HumanEval/") and it.category == "code" for it in code)
+    held = heldout_sharegpt_range()
+    records = sharegpt_records()
+    chat = chat_set()
+    assert len(chat) > 500
+    for it in chat:
+        i = int(it.id.split(":")[1])
+        assert i in held, f"{it.id} is a training record"
+        assert it.messages[-1] == ("user", records[i]["conversations"][0]["value"].strip())
+    rewrite = rewrite_set()
+    assert len(rewrite) > 100
+    for it in rewrite:
+        module = it.id.split(":")[1].rsplit(".", 1)[0]
+        assert is_heldout_module(module), f"{it.id} comes from a training module"
+        assert "```python\n" in it.messages[0][1]
+    picked = load_prompts("code,chat,rewrite", n_per_category=3)
+    assert [it.category for it in picked] == ["code", "chat", "rewrite"] * 3
+
+
+def test_method_specs():
+    specs = parse_methods("lookup,eesd-fixed:4,none,llama-cpp-python-lookup:3,llama-cpp-python", controller="beta-ts")
+    assert [s.name for s in specs] == ["none", "lookup", "eesd-fixed:4", "llama-cpp-python-lookup:3", "llama-cpp-python"]
+    assert specs[1] == MethodSpec("lookup", "lookup", "beta-ts")
+    assert specs[2] == MethodSpec("eesd-fixed:4", "eesd", "fixed:4")
+    assert specs[3].is_peer and specs[3].peer_lookup == 3 and specs[4].peer_lookup == 0
+    assert parse_methods("lookup")[0].name == "none"  # the baseline is always measured
+    for bad in ("eesd-fixed:0", "warp-drive", "lookup,lookup"):
+        with pytest.raises(EesdError):
+            parse_methods(bad)
+
+
+def test_tiny_run_through_the_cli(tmp_path, qwen05_path):
+    prompts = _write(tmp_path / "tiny.jsonl", [LINES[0], LINES[2]])
+    out, plots, md = tmp_path / "out.json", tmp_path / "plots", tmp_path / "out.md"
+    argv = ["bench", "--model", QWEN05, "--prompts", str(prompts), "--methods", "none,lookup,llama-cpp-python",
+            "--max-tokens", "16", "--warmup-tokens", "2", "--ctx", "512", "--json", str(out), "--plots", str(plots),
+            "--markdown", str(md)]
+    assert cli.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["model"] == QWEN05
+    assert data["machine"]["cores"] >= 1 and "gpu" in data["machine"]
+    assert data["run"]["complete"] and data["run"]["runs_done"] == 6
+    assert set(data["methods"]) == {"none", "lookup", "llama-cpp-python"}
+    for method, by_cat in data["methods"].items():
+        assert set(by_cat) == {"code", "chat", "all"}
+        for cat, f in by_cat.items():
+            assert set(REQUIRED_KEYS) <= set(f), (method, cat)
+            assert f["lossless"] is True, f["mismatches"]
+            assert f["n_prompts"] == (2 if cat == "all" else 1)
+            assert f["tokens_per_s"] > 0 and f["tau"] >= 1.0
+    assert data["methods"]["none"]["all"]["speedup"] == 1.0
+    assert data["methods"]["none"]["chat"]["n_generated"] > 16  # two turns of up to 16 tokens
+    assert data["methods"]["lookup"]["all"]["memory_overhead"] == 0
+    for name in ("speedup.png", "acceptance_by_position.png", "draft_length.png"):
+        assert (plots / name).read_bytes()[:4] == b"\x89PNG"
+    assert "| lookup |" in md.read_text()
+    # outputs are not overwritten without --force (checked before anything runs)
+    assert cli.main(argv) == 2
+
+
+def test_certify_flags_a_real_divergence(qwen05_path):
+    with eesd_local.load(QWEN05, drafter="none", n_ctx=512) as eng:
+        ref = EngineMethod(MethodSpec("none"), eng)
+        item = load_prompts.__globals__["PromptItem"]("x", "code", prompt="def add(a, b):\n    return")
+        s = Sampling(max_tokens=8)
+        plain = runner.run_item(ref, item, ref, s, 512, 0)
+        toks = plain.turns[0].tokens
+        assert len(toks) == 8
+        same = runner.run_item(ref, item, ref, s, 512, 0)
+        assert runner.certify(ref, plain, same, s, 512) is None
+        other = runner.run_item(ref, item, ref, s, 512, 0)
+        other.turns[0].tokens = toks[:3] + [eng.tokenize("zebra")[-1]] + toks[4:]
+        mm = runner.certify(ref, plain, other, s, 512)
+        assert mm is not None and mm.index == 3 and mm.plain_token == toks[3] and not mm.near_tie and mm.gap > 1
+        # an output that stops early where plain decoding went on is a divergence too
+        other.turns[0].tokens = toks[:5]
+        mm = runner.certify(ref, plain, other, s, 512)
+        assert mm is not None and mm.index == 5 and eng.model.is_eog(mm.other_token) and not mm.near_tie
+
+
+def test_ctrl_c_reports_what_was_measured(tmp_path, qwen05_path, monkeypatch):
+    prompts = _write(tmp_path / "two.jsonl", [LINES[0], {"id": "raw2", "category": "code", "prompt": "def sub(a, b):\n"}])
+    calls = []
+    real = runner.run_item
+
+    def interrupting(*a, **kw):
+        calls.append(1)
+        if len(calls) == 4:  # the second prompt, second method
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(runner, "run_item", interrupting)
+    out = tmp_path / "out.json"
+    rc = cli.main(["bench", "--model", QWEN05, "--prompts", str(prompts), "--methods", "none,lookup", "--max-tokens", "8",
+                   "--warmup-tokens", "0", "--ctx", "512", "--json", str(out)])
+    assert rc == 130
+    data = json.loads(out.read_text())
+    assert data["run"]["complete"] is False and data["run"]["runs_done"] == 2 and data["run"]["runs_planned"] == 4
+    assert data["methods"]["lookup"]["code"]["n_prompts"] == 1 and data["methods"]["none"]["code"]["n_prompts"] == 1
