@@ -9,7 +9,7 @@ output equals plain decoding; sampling keeps the target's distribution exactly.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,7 @@ import numpy as np
 
 from . import chat as chat_mod
 from .drafters import make_drafter
-from .drafters.base import Drafter
+from .drafters.base import Drafter, NoDrafter
 from .errors import EesdError
 from .events import Event, FinishEvent, RoundEvent, Stats, TokenEvent
 from .registry import resolve_model
@@ -48,7 +48,7 @@ class Engine:
         self.model_path = resolve_model(config.model)
         self.model = Model(self.model_path, n_gpu_layers=config.n_gpu_layers)
         self.ctx = Context(self.model, ContextParams(n_ctx=config.n_ctx, n_threads=config.n_threads))
-        self.drafter: Drafter = NoDrafterPlaceholder()
+        self.drafter: Drafter = NoDrafter()
         self.drafter_note = ""
         try:
             self.drafter, self.drafter_note = make_drafter(config, self.model)
@@ -61,7 +61,7 @@ class Engine:
     # --- the round loop --------------------------------------------------
 
     def generate(self, prompt: str | list[int], *, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None) -> Iterator[Event]:
+                 top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None) -> Generator[Event, None, None]:
         """Yield a TokenEvent per emitted token, a RoundEvent per round, and one FinishEvent."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         if max_tokens < 1:
@@ -76,7 +76,7 @@ class Engine:
             )
         return self._run(tokens, max_tokens, params, stop or [])
 
-    def _run(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop: list[str]) -> Iterator[Event]:
+    def _run(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop: list[str]) -> Generator[Event, None, None]:
         ctx, model, drafter, ctl = self.ctx, self.model, self.drafter, self.controller
         rng = params.rng()
         stats = Stats(n_prompt=len(prompt), drafter=drafter.name, controller=getattr(ctl, "name", "?"))
@@ -214,13 +214,6 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class NoDrafterPlaceholder:
-    name = "none"
-
-    def close(self) -> None:
-        pass
 
 
 def _hit_stop(text: list[str], stop: list[str]) -> bool:

@@ -9,7 +9,7 @@ import pytest
 
 import eesd_local
 from eesd_local import cli
-from eesd_local.bench import REQUIRED_KEYS, load_prompts, runner
+from eesd_local.bench import REQUIRED_KEYS, PromptItem, load_prompts, runner
 from eesd_local.bench.methods import EngineMethod, MethodSpec, Sampling, parse_methods
 from eesd_local.bench.prompts import chat_set, code_set, rewrite_set
 from eesd_local.errors import EesdError
@@ -131,7 +131,7 @@ def test_tiny_run_through_the_cli(tmp_path, qwen05_path):
 def test_certify_flags_a_real_divergence(qwen05_path):
     with eesd_local.load(QWEN05, drafter="none", n_ctx=512) as eng:
         ref = EngineMethod(MethodSpec("none"), eng)
-        item = load_prompts.__globals__["PromptItem"]("x", "code", prompt="def add(a, b):\n    return")
+        item = PromptItem("x", "code", prompt="def add(a, b):\n    return")
         s = Sampling(max_tokens=8)
         plain = runner.run_item(ref, item, ref, s, 512, 0)
         toks = plain.turns[0].tokens
