@@ -74,6 +74,7 @@ class Engine:
                 f"the prompt has {len(tokens)} tokens but the context holds {self.ctx.n_ctx}",
                 hint="shorten the prompt or pass a larger --ctx",
             )
+        self._cancel = False  # here, not in _run: a cancel() before the first next() still counts
         return self._run(tokens, max_tokens, params, stop or [])
 
     def _run(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop: list[str]) -> Generator[Event, None, None]:
@@ -84,7 +85,6 @@ class Engine:
         text: list[str] = []
         history = list(prompt)
         reason = "length"
-        self._cancel = False
         try:
             t0 = time.perf_counter()
             # prefill, reusing the cached common prefix; the last prompt token gives the first logits

@@ -31,8 +31,8 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 
 step "installing eesd-local with its train and dev extras"
-$PIP install --progress-bar on -e '.[train,dev]' 2>&1 | grep -v "is neither a file nor a directory" || true
-.venv/bin/python -c "import eesd_local.engine" || { echo "install failed"; exit 1; }
+$PIP install --progress-bar on -e '.[train,dev]'
+.venv/bin/python -c "import eesd_local.engine, eesd_chat.app" || { echo "install failed"; exit 1; }
 
 step "fetching the default demo model"
 .venv/bin/eesd models pull qwen2.5-coder-0.5b-instruct

@@ -31,43 +31,42 @@ def _isolated_home(tmp_path, monkeypatch):
 
 
 def write_tiny_model(path: Path, seed: int) -> Path:
-    """A random 4-block qwen2 GGUF with the demo model's tokenizer."""
+    """A random 4-block qwen2 GGUF with the demo model's tokenizer (metadata copied verbatim)."""
+    from eesd_local.heads import ggufraw
+
     rng = np.random.default_rng(seed)
-    src = gguf.GGUFReader(str(DEMO))
-    w = gguf.GGUFWriter(str(path), "qwen2")
-    for key, f in src.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or key.startswith("qwen2."):
-            continue
-        sub = f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
-    w.add_uint32("qwen2.block_count", LAYERS)
-    w.add_uint32("qwen2.context_length", 2048)
-    w.add_uint32("qwen2.embedding_length", D)
-    w.add_uint32("qwen2.feed_forward_length", FF)
-    w.add_uint32("qwen2.attention.head_count", HEADS)
-    w.add_uint32("qwen2.attention.head_count_kv", KV)
-    w.add_float32("qwen2.rope.freq_base", 10000.0)
-    w.add_float32("qwen2.attention.layer_norm_rms_epsilon", 1e-6)
-    n_vocab = len(src.fields["tokenizer.ggml.tokens"].data)
-    q8 = gguf.GGMLQuantizationType.Q8_0
+    src = ggufraw.read_header(DEMO)
+    kv = [raw for key, raw in src.kv_raw.items() if key.startswith("tokenizer.")]
+    kv.append(ggufraw.kv_bytes("general.architecture", "qwen2"))
+    kv.append(ggufraw.kv_bytes("general.name", f"tiny-{seed}"))
+    for key, val in {"block_count": LAYERS, "context_length": 2048, "embedding_length": D, "feed_forward_length": FF, "attention.head_count": HEADS, "attention.head_count_kv": KV}.items():
+        kv.append(ggufraw.kv_bytes(f"qwen2.{key}", val))
+    kv.append(ggufraw.kv_bytes("qwen2.rope.freq_base", 10000.0))
+    kv.append(ggufraw.kv_bytes("qwen2.attention.layer_norm_rms_epsilon", 1e-6))
+    n_vocab = int(src.kv["tokenizer.ggml.tokens"])
+    q8 = int(gguf.GGMLQuantizationType.Q8_0)
+    f32 = int(gguf.GGMLQuantizationType.F32)
+    tensors = []
 
-    def mat(rows, cols, scale=0.08):
-        return (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+    def mat(name, rows, cols, scale=0.08):
+        m = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+        tensors.append((name, (cols, rows), q8, gguf.quants.quantize(m, gguf.GGMLQuantizationType.Q8_0)))
 
-    w.add_tensor("token_embd.weight", gguf.quants.quantize(mat(n_vocab, D, 0.5), q8), raw_dtype=q8)
+    def vec(name, v):
+        tensors.append((name, (len(v),), f32, np.asarray(v, np.float32)))
+
+    mat("token_embd.weight", n_vocab, D, 0.5)
     kvd = D // HEADS * KV
     for i in range(LAYERS):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(D, np.float32))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(D, np.float32))
+        vec(f"blk.{i}.attn_norm.weight", np.ones(D))
+        vec(f"blk.{i}.ffn_norm.weight", np.ones(D))
         for name, (r, c) in {"attn_q": (D, D), "attn_k": (kvd, D), "attn_v": (kvd, D), "attn_output": (D, D), "ffn_gate": (FF, D), "ffn_up": (FF, D), "ffn_down": (D, FF)}.items():
-            w.add_tensor(f"blk.{i}.{name}.weight", gguf.quants.quantize(mat(r, c), q8), raw_dtype=q8)
+            mat(f"blk.{i}.{name}.weight", r, c)
         for name, r in {"attn_q": D, "attn_k": kvd, "attn_v": kvd}.items():
-            w.add_tensor(f"blk.{i}.{name}.bias", (rng.standard_normal(r) * 0.02).astype(np.float32))
-    w.add_tensor("output_norm.weight", np.ones(D, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+            vec(f"blk.{i}.{name}.bias", rng.standard_normal(r) * 0.02)
+    vec("output_norm.weight", np.ones(D))
+    with open(path, "wb") as fh:
+        ggufraw.write_gguf(fh, kv, tensors)
     return path
 
 
@@ -124,18 +123,23 @@ def test_draft_copies_base_tensors_byte_for_byte(tiny, tmp_path):
     hp = _head(base, tmp_path / "h.gguf", n)
     draft = build_draft(base, hp)
     assert draft.parent.name == "drafts"
-    b = {t.name: t for t in gguf.GGUFReader(str(base)).tensors}
-    h = {t.name: t for t in gguf.GGUFReader(str(hp)).tensors}
-    r = gguf.GGUFReader(str(draft))
-    assert r.fields["qwen2.block_count"].contents() == n + 1
-    names = {t.name for t in r.tensors}
+    from eesd_local.heads import ggufraw
+
+    b, h, r = (ggufraw.read_header(p) for p in (base, hp, draft))
+    assert r.kv["qwen2.block_count"] == n + 1
+    for key in ("tokenizer.ggml.merges", "tokenizer.ggml.tokens", "tokenizer.chat_template", "qwen2.embedding_length"):
+        assert r.kv_raw[key] == b.kv_raw[key]
+    names = set(r.tensors)
     assert not any(x.startswith(f"blk.{n + 1}.") for x in names)
-    for t in r.tensors:
-        if t.name == "token_embd.weight" or any(t.name.startswith(f"blk.{i}.") for i in range(n)):
-            assert t.tensor_type == b[t.name].tensor_type
-            assert bytes(t.data) == bytes(b[t.name].data), t.name
-        elif t.name.startswith(f"blk.{n}.") or t.name == "output_norm.weight":
-            assert bytes(t.data) == bytes(h[t.name].data), t.name
+    copied = 0
+    for name, t in r.tensors.items():
+        if name == "token_embd.weight" or any(name.startswith(f"blk.{i}.") for i in range(n)):
+            assert t.type == b.tensors[name].type and t.dims == b.tensors[name].dims
+            assert bytes(r.tensor_bytes(name)) == bytes(b.tensor_bytes(name)), name
+            copied += 1
+        elif name.startswith(f"blk.{n}.") or name == "output_norm.weight":
+            assert bytes(r.tensor_bytes(name)) == bytes(h.tensor_bytes(name)), name
+    assert copied == 1 + 12 * n
     assert "output.weight" in names
 
 

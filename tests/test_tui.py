@@ -12,12 +12,13 @@ import json
 import time
 
 import pytest
+
 from eesd_chat.app import ChatApp, ChatOptions, main, swap_controller, swap_drafter
 from eesd_chat.widgets import SpeculationPanel
-
 from eesd_local import heads
 from eesd_local.engine import load
-from tests.conftest import QWEN05
+
+from .conftest import QWEN05
 
 REWRITE = "Add type hints to: def add(a, b): return a + b"  # lookup drafts from the prompt and gets accepted
 SIZE = (120, 40)
@@ -69,6 +70,12 @@ async def ask(pilot, text: str) -> None:
     await wait_until(pilot, lambda: not app.generating)
 
 
+def row(panel: str, name: str) -> list[str]:
+    """The answer and session figures of one row of the panel's text."""
+    line = next(line for line in panel.splitlines() if line.startswith(name + " "))
+    return line[len(name):].split()
+
+
 def status(app: ChatApp) -> str:
     return app.status_text
 
@@ -84,19 +91,20 @@ def test_answer_streams_with_speculation_figures(engine):
         app.query_one("#prompt").value = REWRITE
         await pilot.press("enter")
         await wait_until(pilot, lambda: app.current is not None and app.current.answer.pieces)
-        seen_live.append(len(app.current.answer.pieces))  # tokens arrive while the answer streams
+        seen_live.append((app.generating, app.query_one(SpeculationPanel).plain_text()))  # the panel follows the stream
         await wait_until(pilot, lambda: not app.generating)
         seen_live.append(app.query_one(SpeculationPanel).plain_text())
 
     drive(app, script)
     answer = app.current.answer
-    assert seen_live and answer.reason == "length" and answer.stats.n_generated == 24
+    streaming, live_panel = seen_live[0]
+    assert streaming and int(row(live_panel, "tokens")[0]) >= 1
+    assert answer.reason == "length" and answer.stats.n_generated == 24
     assert answer.stats.n_drafted > 0 and answer.stats.n_accepted > 0
     assert {s for _, s in answer.pieces} >= {"draft", "target"}
     panel = seen_live[-1]
-    drafted = next(line for line in panel.splitlines() if line.startswith("drafted")).split()
-    accepted = next(line for line in panel.splitlines() if line.startswith("accepted")).split()
-    assert int(drafted[1]) == answer.stats.n_drafted > 0 and int(accepted[1]) == answer.stats.n_accepted > 0
+    assert int(row(panel, "drafted")[0]) == answer.stats.n_drafted > 0
+    assert int(row(panel, "accepted")[0]) == answer.stats.n_accepted > 0
     assert "P(accept)" in panel and "90% CI" in panel and " 1 " in panel  # belief and acceptance by position
     assert [t.role for t in app.conv.turns] == ["user", "assistant"]
     assert app.conv.turns[1].content == answer.text and "def add" in answer.text
@@ -149,34 +157,49 @@ def test_cycle_drafter_and_controller_between_answers(engine):
     assert engine.controller.name == "cost-ts" and "cost-ts" in notes[2] and "controller cost-ts" in app.sub_title
 
 
-def test_save_transcript_markdown_and_jsonl(engine, tmp_path, monkeypatch):
+def test_two_turns_save_transcript_and_new_chat(engine, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     app = make_app(engine, max_tokens=8, system="You are terse.")
     target = tmp_path / "out" / "chat.jsonl"
     shown = []
+    prompts = []
+    real_template = engine.apply_chat_template
+
+    def spy(messages, **kw):
+        prompts.append([dict(m) for m in messages])
+        return real_template(messages, **kw)
+
+    monkeypatch.setattr(engine, "apply_chat_template", spy)
 
     async def script(pilot):
         await ask(pilot, REWRITE)
+        await ask(pilot, "Now without the return type.")
         await pilot.press("ctrl+s")
         shown.append(status(app))
         app.query_one("#prompt").value = f"/save {target}"
         await pilot.press("enter")
         shown.append(status(app))
+        await pilot.press("ctrl+n")
+        await pilot.pause()
+        shown.append((len(app.query(".turn")), app.query_one("#welcome").display, len(app.conv.turns)))
 
     drive(app, script)
-    answer = app.current.answer
+    # the second turn re-rendered the whole conversation through the chat template
+    assert [m["role"] for m in prompts[1]] == ["system", "user", "assistant", "user"]
     md_files = list(tmp_path.glob("eesd-chat-*.md"))
     assert len(md_files) == 1 and str(md_files[0]) in shown[0]
     md = md_files[0].read_text()
-    assert REWRITE in md and answer.text.strip() in md and "## assistant" in md and "You are terse." in md
+    assert REWRITE in md and "Now without the return type." in md and md.count("## assistant") == 2 and "You are terse." in md
     assert str(target) in shown[1] and not list(target.parent.glob(".*tmp*"))
     rows = [json.loads(line) for line in target.read_text().splitlines()]
     assert rows[0]["type"] == "meta" and rows[0]["model"] == QWEN05
-    msgs = [(r["role"], r["content"]) for r in rows[1:]]
-    assert msgs == [("system", "You are terse."), ("user", REWRITE), ("assistant", answer.text)]
-    spec = rows[-1]["speculation"]
-    assert spec["n_generated"] == 8 and spec["drafter"] == "lookup"
-    assert "".join(t for t, _ in rows[-1]["provenance"]) == answer.text
+    assert [r["role"] for r in rows[1:]] == ["system", "user", "assistant", "user", "assistant"]
+    assert rows[1]["content"] == "You are terse." and rows[2]["content"] == REWRITE
+    for row in (rows[3], rows[5]):
+        assert row["speculation"]["n_generated"] == 8 and row["speculation"]["drafter"] == "lookup"
+        assert "".join(t for t, _ in row["provenance"]) == row["content"] and row["content"]
+    assert rows[3]["content"] in md and rows[5]["content"] in md
+    assert shown[2] == (0, True, 0)  # ctrl+n: an empty chat
 
 
 def test_context_full_mid_answer_keeps_the_transcript(qwen05_path):
@@ -229,7 +252,27 @@ def test_terminal_too_small_shows_a_message(engine):
     assert seen["big"] == (False, True)
 
 
-def test_bad_input_before_the_app_starts(tmp_path, capsys, qwen05_path, gemma_path):
+def fake_head_for_another_model(path):
+    """A head file's metadata (no trained weights) claiming another base model."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), "eesd-head")
+    w.add_uint32("eesd.head.format", 1)
+    w.add_string("eesd.head.base_arch", "gemma3")
+    w.add_string("eesd.head.base_name", "gemma-3-270m")
+    w.add_string("eesd.head.base_fingerprint", "0123456789abcdef01234567")
+    w.add_uint32("eesd.head.base_n_layer", 18)
+    w.add_uint32("eesd.head.exit_layer", 4)
+    w.add_tensor("output_norm.weight", np.ones(8, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_bad_input_before_the_app_starts(tmp_path, capsys, qwen05_path):
     assert main([str(tmp_path / "missing.gguf")]) == 2
     assert "model file not found" in capsys.readouterr().err
     junk = tmp_path / "junk.gguf"
@@ -240,9 +283,10 @@ def test_bad_input_before_the_app_starts(tmp_path, capsys, qwen05_path, gemma_pa
     assert "unknown model" in capsys.readouterr().err
     assert main([str(qwen05_path), "--top-p", "0"]) == 2
     assert "top_p" in capsys.readouterr().err
-    assert main([str(qwen05_path), "--drafter", "eesd", "--head", str(gemma_path)]) == 2
+    head = fake_head_for_another_model(tmp_path / "other.head.gguf")
+    assert main([str(qwen05_path), "--drafter", "eesd", "--head", str(head)]) == 2
     err = capsys.readouterr().err
-    assert "error:" in err and "Traceback" not in err
+    assert "was made for 'gemma-3-270m'" in err and "hint:" in err and "Traceback" not in err
 
 
 # --- snapshots -------------------------------------------------------------------

@@ -76,7 +76,7 @@ class ChatApp(App[None]):
         self.engine = engine
         self.options = options or ChatOptions()
         self.conv = Conversation(system=self.options.system)
-        self.finished: list[Any] = []  # Stats of the finished answers of this chat
+        self.finished: list[Any] = []  # Stats of every finished answer since the app started (the session)
         self.plain = PlainEstimate()
         self.current: AnswerView | None = None  # the answer streaming now (or the last one)
         self.generating = False
@@ -85,6 +85,7 @@ class ChatApp(App[None]):
         self.status_text = ""
         self._stop_requested = False
         self._quitting = False
+        self._busy_note = ""
 
     # --- layout ------------------------------------------------------------
 
@@ -129,7 +130,8 @@ class ChatApp(App[None]):
         live = [answer.stats] if answer is not None and not answer.final and answer.reason == "" else []
         self.query_one(SpeculationPanel).show(
             answer, merge_stats(self.finished + live), self.plain.tokens_per_s(),
-            draft_max=self.engine.config.draft_max, controller=self.engine.controller.name,
+            draft_max=self.engine.config.draft_max,
+            controller=answer.controller if answer is not None else self.engine.controller.name,
             timings=self.options.timings, colouring=self.colouring,
         )
 
@@ -144,7 +146,7 @@ class ChatApp(App[None]):
             self._command(text)
             return
         if self.generating:
-            self.set_status("an answer is still streaming: wait for it or press Esc to stop it")
+            self.set_status(self._busy_note)
             return
         event.input.clear()
         await self.send(text)
@@ -166,6 +168,7 @@ class ChatApp(App[None]):
         transcript.scroll_end(animate=False)
         self.current = view
         self.generating = True
+        self._busy_note = "an answer is still streaming: wait for it or press Esc to stop it"
         self._stop_requested = False
         self.set_status("answering… Esc stops")
         self._refresh_panel()
@@ -204,6 +207,8 @@ class ChatApp(App[None]):
         if self._quitting:
             return
         answer = view.answer
+        transcript = self.query_one("#transcript", VerticalScroll)
+        follow = transcript.scroll_y >= transcript.max_scroll_y - 1  # keep the end in view unless the user scrolled up
         if isinstance(ev, TokenEvent):
             answer.add_token(ev)
             await view.add_piece(ev.text)
@@ -213,9 +218,10 @@ class ChatApp(App[None]):
         elif isinstance(ev, FinishEvent):
             answer.finish(ev.reason, ev.stats, ev.text)
             await self._end_answer(view)
-            return
-        self._refresh_panel()
-        self._follow()
+        if not isinstance(ev, FinishEvent):
+            self._refresh_panel()
+        if follow:
+            transcript.scroll_end(animate=False)
 
     async def _on_error(self, view: AnswerView, exc: EesdError) -> None:
         if self._quitting:
@@ -253,17 +259,11 @@ class ChatApp(App[None]):
         await view.finish(note)
         self.generating = False
         self._refresh_panel()
-        self._follow()
-
-    def _follow(self) -> None:
-        transcript = self.query_one("#transcript", VerticalScroll)
-        if transcript.max_scroll_y - transcript.scroll_y <= 3 or self.generating:
-            transcript.scroll_end(animate=False)
 
     # --- actions -----------------------------------------------------------
 
     def action_stop(self) -> None:
-        if self.generating:
+        if self.generating and self.current is not None and not self.current.answer.reason:
             self._stop_requested = True
             self.engine.cancel()
             self.set_status("stopping…")
@@ -279,8 +279,7 @@ class ChatApp(App[None]):
         await self.query(".turn").remove()
         self.query_one("#welcome").display = True
         self.conv = Conversation(system=self.options.system)
-        self.finished = []
-        self.current = None
+        self.current = None  # the session figures (all answers since the start) stay
         self._refresh_panel()
         self.set_status("new chat")
 
@@ -288,6 +287,7 @@ class ChatApp(App[None]):
         if self._busy("the drafter"):
             return
         self.generating = True  # no sends while a drafter loads
+        self._busy_note = "the drafter is loading: one moment"
         self.set_status("switching the drafter…")
         self._switch_drafter()
 
@@ -391,6 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"registry name or GGUF path (default {DEFAULT_MODEL}, pulled if missing)")
     p.add_argument("--head", help="exit-head GGUF for the eesd drafter")
     p.add_argument("--drafter", default="auto", choices=DRAFTERS, help="how drafts are made (default auto)")
+    p.add_argument("--draft-model", help="registry name or GGUF of a separate draft model (for --drafter draft-model)")
     p.add_argument("--controller", default=None, help="draft-length controller: cost-ts (default), beta-ts, calibration-ts, fixed:K, pmin:P, heuristic")
     p.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy, the default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -413,10 +414,11 @@ def open_engine(args: argparse.Namespace) -> Engine:
         raise EesdError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if args.ctx < 64:
         raise EesdError(f"--ctx must be at least 64 tokens, got {args.ctx}", hint="e.g. --ctx 4096")
-    if args.model in known_models():
-        pull_with_progress(args.model)
+    for name in (args.model, args.draft_model):
+        if name in known_models():
+            pull_with_progress(name)
     print(f"eesd-chat: loading {args.model} …", file=sys.stderr)
-    return load(args.model, drafter=args.drafter, head=args.head, controller=args.controller,
+    return load(args.model, drafter=args.drafter, head=args.head, draft_model=args.draft_model, controller=args.controller,
                 n_ctx=args.ctx, n_gpu_layers=args.n_gpu_layers)
 
 

@@ -23,28 +23,33 @@ from ..atomic import atomic_path
 from ..errors import EesdError
 from ..paths import cache_dir
 from ..registry import check_gguf
+from . import ggufraw
 
 HEAD_FORMAT = 1
 HEAD_ARCH = "eesd-head"  # general.architecture of a head file: llama.cpp must not take it for a model
 DRAFT_FORMAT = 1
 _FP_CHUNK = 1 << 16
+FFN_PARTS = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
 _FP_SAMPLES = 16
 
 
-def _reader(path: Path):
+def _reader(path: Path, **kw) -> ggufraw.GGUFHeader:
+    return ggufraw.read_header(Path(path), **kw)
+
+
+def _field(reader: ggufraw.GGUFHeader, key: str, default: Any = None) -> Any:
+    return reader.kv.get(key, default)
+
+
+def dequantize(h: ggufraw.GGUFHeader, name: str) -> np.ndarray:
+    """A tensor of a parsed GGUF as float32, numpy (torch) layout."""
     import gguf
 
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as exc:  # noqa: BLE001 - gguf raises ValueError, struct.error, IndexError... on bad files
-        raise EesdError(f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc})", hint="the file may be truncated or corrupt: rebuild or re-download it") from None
-
-
-def _field(reader, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+    t = h.tensors[name]
+    raw = h.tensor_bytes(name)
+    rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else 1
+    arr = gguf.quants.dequantize(np.asarray(raw).reshape(rows, -1), gguf.GGMLQuantizationType(t.type))
+    return np.ascontiguousarray(arr, dtype=np.float32).reshape(t.shape)
 
 
 # --- fingerprint ----------------------------------------------------------------
@@ -53,7 +58,7 @@ def _field(reader, key: str, default: Any = None) -> Any:
 def _fingerprint_uncached(path: Path) -> str:
     """sha256 over the header (metadata + tensor infos), the size and 16 sampled 64 KiB chunks."""
     reader = _reader(path)
-    size = path.stat().st_size
+    size = reader.size
     digest = hashlib.sha256()
     digest.update(str(size).encode())
     with path.open("rb") as fh:
@@ -172,36 +177,31 @@ def read_head_info(head_path: Path) -> dict:
         "base_fingerprint": str(_field(reader, "eesd.head.base_fingerprint")),
         "base_n_layer": int(_field(reader, "eesd.head.base_n_layer")),
         "exit_layer": int(_field(reader, "eesd.head.exit_layer")),
-        "tensors": {t.name: t.tensor_type.name for t in reader.tensors},
+        "tensors": {name: _type_name(t.type) for name, t in reader.tensors.items()},
     }
     info.update(json.loads(str(_field(reader, "eesd.head.meta", "{}"))))
     return info
 
 
-def head_tensors(head_path: Path) -> dict[str, np.ndarray]:
-    """The head's tensors dequantised to float32, by block-local name (for training resumes)."""
+def _type_name(ggml_type: int) -> str:
     import gguf
 
+    return gguf.GGMLQuantizationType(ggml_type).name
+
+
+def head_tensors(head_path: Path) -> dict[str, np.ndarray]:
+    """The head's tensors dequantised to float32, by block-local name."""
     reader = _reader(Path(head_path))
-    out = {}
-    for t in reader.tensors:
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        name = t.name if t.name.startswith("output") else t.name.split(".", 2)[2]
-        out[name] = np.asarray(arr, dtype=np.float32).reshape([int(x) for x in reversed(t.shape)] if len(t.shape) > 1 else -1)
-    return out
+    return {(name if name.startswith("output") else name.split(".", 2)[2]): dequantize(reader, name) for name in reader.tensors}
 
 
 def base_block_tensors(base_path: Path, layer: int) -> dict[str, np.ndarray]:
     """Block ``layer`` of a base GGUF dequantised to float32 (block-local names), plus its output_norm."""
-    import gguf
-
     reader = _reader(Path(base_path))
     out = {}
-    for t in reader.tensors:
-        if t.name.startswith(f"blk.{layer}.") or t.name == "output_norm.weight":
-            arr = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-            name = t.name if t.name.startswith("output") else t.name.split(".", 2)[2]
-            out[name] = arr
+    for name in reader.tensors:
+        if name.startswith(f"blk.{layer}.") or name == "output_norm.weight":
+            out[name if name.startswith("output") else name.split(".", 2)[2]] = dequantize(reader, name)
     return out
 
 
@@ -241,35 +241,6 @@ def find_head(base_path: Path) -> Path | None:
 # --- the draft builder -----------------------------------------------------------------
 
 
-def _copy_kv(reader, writer, arch: str, n_blocks: int) -> None:
-    import gguf
-
-    for key, f in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        if key == f"{arch}.block_count":
-            writer.add_uint32(key, n_blocks)
-            continue
-        vtype = f.types[0]
-        if vtype == gguf.GGUFValueType.ARRAY:
-            sub = f.types[1] if len(f.types) > 1 else None
-            if key.startswith(f"{arch}.") and sub is not None and sub != gguf.GGUFValueType.STRING:
-                vals = f.contents()
-                if isinstance(vals, list) and len(vals) == int(_field(reader, f"{arch}.block_count", -1)):
-                    vals = vals[:n_blocks]  # per-layer arrays follow the new layer count
-                writer.add_key_value(key, vals, vtype, sub_type=sub)
-            else:
-                writer.add_key_value(key, f.contents(), vtype, sub_type=sub)
-        else:
-            writer.add_key_value(key, f.contents(), vtype)
-    writer.add_string("eesd.draft.note", "eesd-local draft model: base blocks 0..N-1 + trained exit block")
-
-
-def _raw_tensor(writer, name: str, t) -> None:
-    """Add a reader tensor to a writer byte for byte."""
-    writer.add_tensor(name, t.data, raw_dtype=t.tensor_type)
-
-
 def draft_key(base_fp: str, head_path: Path, lm_head_type: str) -> str:
     st = Path(head_path).stat()
     digest = hashlib.sha256()
@@ -306,35 +277,51 @@ def build_draft(base_path: Path, head_path: Path, *, force: bool = False, lm_hea
     arch = base["arch"]
     breader = _reader(base_path)
     hreader = _reader(Path(head_path))
-    head_t = {t.name: t for t in hreader.tensors}
-    base_t = {t.name: t for t in breader.tensors}
-    missing = [k for k in (f"blk.{n}.attn_norm.weight", "output_norm.weight") if k not in head_t]
+    missing = [k for k in (f"blk.{n}.attn_norm.weight", "output_norm.weight") if k not in hreader.tensors]
+    if info.get("ffn_from_base_block") is None:
+        missing += [f"blk.{n}.{p}" for p in FFN_PARTS if f"blk.{n}.{p}" not in hreader.tensors]
     if missing:
         raise EesdError(f"the head {head_path} lacks tensors {missing}", hint="the head file is incomplete: retrain or re-download it")
-    with atomic_path(out_path, force=True) as tmp:
-        w = gguf.GGUFWriter(str(tmp), arch)
-        _copy_kv(breader, w, arch, n + 1)
-        w.add_string("eesd.draft.base_fingerprint", base_fp)
-        w.add_uint32("eesd.draft.exit_layer", n)
-        for t in breader.tensors:  # token_embd and blocks 0..N-1, byte for byte
-            if t.name == "token_embd.weight" or any(t.name.startswith(f"blk.{i}.") for i in range(n)):
-                _raw_tensor(w, t.name, t)
-        for name, t in head_t.items():
-            if name.startswith(f"blk.{n}.") or name == "output_norm.weight":
-                _raw_tensor(w, name, t)
-        if "output.weight" in head_t:
-            _raw_tensor(w, "output.weight", head_t["output.weight"])
+    # metadata: the base's pairs byte for byte, block_count (and per-layer arrays) for N+1 blocks
+    kv = []
+    for key, raw in breader.kv_raw.items():
+        if key == f"{arch}.block_count":
+            kv.append(ggufraw.kv_bytes(key, n + 1))
+        elif key.startswith(f"{arch}.") and isinstance(breader.kv[key], list) and len(breader.kv[key]) == base["n_layer"]:
+            raise EesdError(f"{base_path} has per-layer metadata ({key}) that drafts do not support yet")
         else:
-            src = base_t.get("output.weight") or base_t["token_embd.weight"]
-            qt = gguf.GGMLQuantizationType[lm_head_type]
-            if src.tensor_type == qt:
-                _raw_tensor(w, "output.weight", src)
-            else:
-                dense = gguf.quants.dequantize(src.data, src.tensor_type)
-                w.add_tensor("output.weight", gguf.quants.quantize(np.ascontiguousarray(dense, np.float32), qt), raw_dtype=qt)
-                del dense
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
+            kv.append(raw)
+    kv.append(ggufraw.kv_bytes("eesd.draft.base_fingerprint", base_fp))
+    kv.append(ggufraw.kv_bytes("eesd.draft.exit_layer", n))
+    tensors: list = []
+    for name, t in breader.tensors.items():  # token_embd and blocks 0..N-1, byte for byte
+        if name == "token_embd.weight" or any(name.startswith(f"blk.{i}.") for i in range(n)):
+            tensors.append((name, t.dims, t.type, lambda name=name: breader.tensor_bytes(name)))
+    for name, t in hreader.tensors.items():
+        if name.startswith(f"blk.{n}.") or name in ("output_norm.weight", "output.weight"):
+            tensors.append((name, t.dims, t.type, lambda name=name: hreader.tensor_bytes(name)))
+    src_block = info.get("ffn_from_base_block")
+    if src_block is not None:  # a head that kept the base's MLP: take those tensors from the base, byte for byte
+        for part in FFN_PARTS:
+            if f"blk.{n}.{part}" not in hreader.tensors:
+                sname = f"blk.{int(src_block)}.{part}"
+                if sname not in breader.tensors:
+                    raise EesdError(f"the head {head_path} needs {sname} from the base, which {base_path.name} lacks")
+                st = breader.tensors[sname]
+                tensors.append((f"blk.{n}.{part}", st.dims, st.type, lambda sname=sname: breader.tensor_bytes(sname)))
+    if "output.weight" not in hreader.tensors:
+        src = "output.weight" if "output.weight" in breader.tensors else "token_embd.weight"
+        st = breader.tensors[src]
+        qt = gguf.GGMLQuantizationType[lm_head_type]
+        if st.type == qt:
+            tensors.append(("output.weight", st.dims, st.type, lambda: breader.tensor_bytes(src)))
+        else:  # a cheaper LM head for the draft: the full model verifies every token anyway
+
+            def requantized() -> np.ndarray:
+                return gguf.quants.quantize(dequantize(breader, src), qt)
+
+            tensors.append(("output.weight", st.dims, int(qt), requantized))
+    with atomic_path(out_path, force=True) as tmp:
+        with open(tmp, "wb") as fh:
+            ggufraw.write_gguf(fh, kv, tensors, alignment=breader.alignment)
     return out_path

