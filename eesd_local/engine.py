@@ -8,6 +8,7 @@ output equals plain decoding; sampling keeps the target's distribution exactly.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Generator
 from dataclasses import dataclass
@@ -159,6 +160,19 @@ class Engine:
         if params.greedy:
             return int(np.argmax(logits))
         return sample(probs(logits, params), rng)
+
+    def set_drafter(self, kind: str) -> str:
+        """Switch to a drafter of ``kind`` on the same target (between requests); returns its note."""
+        config = dataclasses.replace(self.config, drafter=kind)
+        drafter, note = make_drafter(config, self.model)
+        old, self.drafter, self.config, self.drafter_note = self.drafter, drafter, config, note
+        old.close()
+        return note
+
+    def set_controller(self, spec: str) -> None:
+        """Switch the draft-length controller (between requests); it starts with a fresh belief."""
+        self.controller = _make_controller(spec, self.config.draft_max, self.config.seed)
+        self.config = dataclasses.replace(self.config, controller=spec)
 
     def cancel(self) -> None:
         """Ask a running generation to stop after the current round (thread-safe)."""

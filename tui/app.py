@@ -8,7 +8,6 @@ that iterates the engine's event stream and hands every event to the UI thread w
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from dataclasses import dataclass
@@ -364,20 +363,11 @@ class ChatApp(App[None]):
 
 def swap_drafter(engine: Engine, kind: str) -> str:
     """Give ``engine`` a new drafter of ``kind`` on the same target; returns the drafter's note."""
-    from eesd_local.drafters import make_drafter
-
-    config = dataclasses.replace(engine.config, drafter=kind)
-    drafter, note = make_drafter(config, engine.model)
-    old, engine.drafter, engine.config, engine.drafter_note = engine.drafter, drafter, config, note
-    old.close()
-    return note
+    return engine.set_drafter(kind)
 
 
 def swap_controller(engine: Engine, spec: str) -> None:
-    from eesd_local.controllers import make_controller
-
-    engine.controller = make_controller(spec, max_draft=engine.config.draft_max, seed=engine.config.seed)
-    engine.config = dataclasses.replace(engine.config, controller=spec)
+    engine.set_controller(spec)
 
 
 # --- command line -------------------------------------------------------------
