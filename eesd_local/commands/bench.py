@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from ..atomic import check_overwrite, write_text_atomic
@@ -119,8 +120,18 @@ def run(args: argparse.Namespace) -> int:
     with Progress(*columns, console=err, transient=True) as bar:
         task = bar.add_task("bench", total=None)
 
+        started: list[float] = []
+
         def progress(done: int, total: int, what: str) -> None:
             bar.update(task, completed=done, total=total, description=what[:60])
+            if not started and "·" in what:  # the first measured run starts
+                started.append(time.monotonic())
+            if err.is_terminal or not what.endswith(" done"):
+                return
+            # a log instead of a terminal: one line per finished prompt, with the time left
+            spent = time.monotonic() - started[0]
+            left = spent / max(done, 1) * (total - done)
+            err.print(f"{done}/{total} runs ({what}), {spent / 60:.1f} min so far, about {left / 60:.1f} min left", highlight=False)
 
         res = run_bench(cfg, progress)
     summary = report.summarize(res)

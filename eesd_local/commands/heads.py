@@ -17,16 +17,25 @@ def register(subparsers) -> None:
 
     t = sub.add_parser("train", help="train an exit head by self-distillation")
     t.add_argument("--model", "-m", required=True, help="registry name or GGUF path of the base model")
-    t.add_argument("--exit-layer", "-n", type=int, required=True, help="N: the draft runs blocks 0..N-1 of the base plus the trained exit block")
+    t.add_argument(
+        "--exit-layer",
+        "-n",
+        type=int,
+        required=True,
+        help="N: the draft runs blocks 0..N-1 of the base plus the trained exit block",
+    )
     t.add_argument("-o", "--output", required=True, type=Path, help="head GGUF to write")
     t.add_argument("--data", type=Path, default=None, help="directory of teacher shards (default: the cache, per model)")
-    t.add_argument("--tokens", type=int, default=60000, help="teacher tokens to generate/have on disk before training (default 60000)")
+    t.add_argument(
+        "--tokens", type=int, default=60000, help="teacher tokens to generate/have on disk before training (default 60000)"
+    )
     t.add_argument("--teacher-minutes", type=float, default=None, help="stop generating teacher data after this long")
     t.add_argument("--epochs", type=float, default=3.0)
     t.add_argument("--lr", type=float, default=3e-4)
     t.add_argument("--batch-tokens", type=int, default=2048)
     t.add_argument("--threads", type=int, default=2)
     t.add_argument("--parallel", type=int, default=8, help="sequences the teacher generates together")
+    t.add_argument("--max-new", type=int, default=320, help="answer tokens the teacher generates per request")
     t.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     t.add_argument("--force", action="store_true", help="overwrite the output head")
     t.set_defaults(func=cmd_train)
@@ -34,7 +43,9 @@ def register(subparsers) -> None:
     e = sub.add_parser("eval", help="agreement of a head's draft with the model's own greedy output, and implied tau")
     e.add_argument("--model", "-m", required=True)
     e.add_argument("--head", required=False, type=Path, default=None, help="head GGUF (default: the shipped head for the model)")
-    e.add_argument("--prompts", type=Path, default=None, help="JSONL with id, category, prompt|messages (default: models/eval_prompts.jsonl)")
+    e.add_argument(
+        "--prompts", type=Path, default=None, help="JSONL with id, category, prompt|messages (default: models/eval_prompts.jsonl)"
+    )
     e.add_argument("--max-new", type=int, default=128)
     e.add_argument("--threads", type=int, default=2)
     e.add_argument("--cost", type=float, default=None, help="draft/target cost per token (default: measured)")
@@ -59,7 +70,10 @@ def _head_for(model_path: Path, head: Path | None) -> Path:
         return head
     found = find_head(model_path)
     if found is None:
-        raise EesdError(f"no exit head found for {model_path.name}", hint="pass --head HEAD.gguf, or train one: eesd heads train --model MODEL --exit-layer N -o HEAD.gguf")
+        raise EesdError(
+            f"no exit head found for {model_path.name}",
+            hint="pass --head HEAD.gguf, or train one: eesd heads train --model MODEL --exit-layer N -o HEAD.gguf",
+        )
     return found
 
 
@@ -81,26 +95,46 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise EesdError("--device cuda was asked for but PyTorch sees no CUDA device", hint="use --device cpu")
     data_dir = args.data or cache_dir("heads-data") / fingerprint(model)
     print(f"teacher data: {data_dir} (target {args.tokens} tokens)", file=sys.stderr)
-    cfg = teacher.TeacherConfig(n_parallel=args.parallel, threads=args.threads)
+    cfg = teacher.TeacherConfig(n_parallel=args.parallel, threads=args.threads, max_new=args.max_new)
 
     def tprog(d: dict) -> None:
         print(f"\rteacher: {d['tokens']} tokens, {d['new'] / max(d['elapsed'], 1e-9):.1f} tok/s", end="", file=sys.stderr)
 
-    teacher.run_teacher(model, data.training_items(), data_dir, cfg=cfg, budget_tokens=args.tokens, time_limit_s=(args.teacher_minutes or 1e9) * 60, progress=tprog)
+    teacher.run_teacher(
+        model,
+        data.training_items(),
+        data_dir,
+        cfg=cfg,
+        budget_tokens=args.tokens,
+        time_limit_s=(args.teacher_minutes or 1e9) * 60,
+        progress=tprog,
+    )
     print(file=sys.stderr)
-    train.cache_trunk_states(model, data_dir, (args.exit_layer,), threads=args.threads, progress=lambda m: print(m, file=sys.stderr))
-    tcfg = train.TrainConfig(exit_layer=args.exit_layer, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, threads=args.threads)
+    train.cache_trunk_states(
+        model, data_dir, (args.exit_layer,), threads=args.threads, progress=lambda m: print(m, file=sys.stderr)
+    )
+    tcfg = train.TrainConfig(
+        exit_layer=args.exit_layer, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, threads=args.threads
+    )
     summary = train.train_head(
         model,
         data_dir,
         args.output,
         tcfg,
         device=args.device,
+        ckpt_path=cache_dir("heads-ckpt") / f"{args.output.name}.{fingerprint(model)[:12]}.ckpt",
         log=lambda m: print(m, file=sys.stderr),
-        data_summary={"teacher_tokens": teacher.count_tokens(data_dir), "mix": "own greedy answers to stdlib code tasks + ShareGPT requests (train range), stdlib source teacher-forced"},
+        data_summary={
+            "teacher_tokens": teacher.count_tokens(data_dir),
+            "mix": "own greedy answers to stdlib code tasks + ShareGPT requests (train range), stdlib source teacher-forced",
+        },
         force=args.force,
     )
-    print(json.dumps({k: summary[k] for k in ("steps", "epochs", "train_tokens", "final_loss", "agreement", "throughput_tok_s")}, indent=1))
+    print(
+        json.dumps(
+            {k: summary[k] for k in ("steps", "epochs", "train_tokens", "final_loss", "agreement", "throughput_tok_s")}, indent=1
+        )
+    )
     print(f"wrote {args.output}")
     return 130 if summary.get("interrupted") else 0
 

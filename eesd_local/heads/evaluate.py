@@ -115,7 +115,9 @@ def measure_cost(model_path: Path, draft_path: Path, *, threads: int = 2, reps: 
     """Draft cost per token / target cost per token (single-token decodes after a 32-token prefix)."""
     runners = [teacher.LlamaRunner(Path(p), n_parallel=1, n_ctx_per_seq=256, threads=threads) for p in (model_path, draft_path)]
     try:
-        toks = runners[0].tokenize("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n" * 3)[:48]
+        toks = runners[0].tokenize(
+            "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n" * 3
+        )[:48]
         times: list[list[float]] = [[], []]
         for _ in range(reps):
             for r, tl in zip(runners, times):
@@ -133,7 +135,16 @@ def measure_cost(model_path: Path, draft_path: Path, *, threads: int = 2, reps: 
             r.close()
 
 
-def evaluate(model_path: Path, head_path: Path, prompts_path: Path, *, max_new: int = 128, threads: int = 2, cost: float | None = None, measure: bool = True) -> dict:
+def evaluate(
+    model_path: Path,
+    head_path: Path,
+    prompts_path: Path,
+    *,
+    max_new: int = 128,
+    threads: int = 2,
+    cost: float | None = None,
+    measure: bool = True,
+) -> dict:
     answers = target_answers(model_path, prompts_path, max_new=max_new, threads=threads)
     draft = build_draft(model_path, head_path)
     per_seq = draft_agreement(draft, answers, threads=threads)
@@ -143,11 +154,24 @@ def evaluate(model_path: Path, head_path: Path, prompts_path: Path, *, max_new: 
         cats.setdefault("all", []).append(r["agree"])
     if cost is None and measure:
         cost = measure_cost(model_path, draft, threads=threads)
-    report: dict = {"model": str(model_path), "head": str(head_path), "draft": str(draft), "prompts": str(prompts_path), "cost_ratio": cost, "categories": {}}
+    report: dict = {
+        "model": str(model_path),
+        "head": str(head_path),
+        "draft": str(draft),
+        "prompts": str(prompts_path),
+        "cost_ratio": cost,
+        "categories": {},
+    }
     for cat, arrs in cats.items():
         a = float(np.mean(np.concatenate(arrs))) if arrs else 0.0
         taus = {k: round(statistics.mean(tau_from_runs(x, k) for x in arrs if len(x)), 3) for k in range(1, 9)}
-        entry = {"sequences": len(arrs), "tokens": int(sum(len(x) for x in arrs)), "agreement": round(a, 4), "tau_runs": taus, "tau_iid": {k: round(tau_iid(a, k), 3) for k in range(1, 9)}}
+        entry = {
+            "sequences": len(arrs),
+            "tokens": int(sum(len(x) for x in arrs)),
+            "agreement": round(a, 4),
+            "tau_runs": taus,
+            "tau_iid": {k: round(tau_iid(a, k), 3) for k in range(1, 9)},
+        }
         if cost is not None:
             entry["speedup_gpu_like"] = {k: round(taus[k] / (k * cost + 1.0), 3) for k in range(1, 9)}
             entry["speedup_cpu"] = {k: round(taus[k] / (k * cost + cpu_batch_cost(k + 1)), 3) for k in range(1, 9)}

@@ -21,7 +21,19 @@ MAGIC = b"GGUF"
 # GGUF value types
 U8, I8, U16, I16, U32, I32, F32, BOOL, STR, ARR, U64, I64, F64 = range(13)
 _SCALAR = {U8: "<B", I8: "<b", U16: "<H", I16: "<h", U32: "<I", I32: "<i", F32: "<f", BOOL: "<?", U64: "<Q", I64: "<q", F64: "<d"}
-_NP = {U8: np.uint8, I8: np.int8, U16: np.uint16, I16: np.int16, U32: np.uint32, I32: np.int32, F32: np.float32, BOOL: np.bool_, U64: np.uint64, I64: np.int64, F64: np.float64}
+_NP = {
+    U8: np.uint8,
+    I8: np.int8,
+    U16: np.uint16,
+    I16: np.int16,
+    U32: np.uint32,
+    I32: np.int32,
+    F32: np.float32,
+    BOOL: np.bool_,
+    U64: np.uint64,
+    I64: np.int64,
+    F64: np.float64,
+}
 
 
 @dataclass
@@ -71,14 +83,20 @@ class _Buf:
         try:
             v = struct.unpack_from(fmt, self.d, self.p)
         except struct.error:
-            raise EesdError(f"{self.path} is truncated or corrupt (header ends early)", hint="the file may be truncated or corrupt: rebuild or re-download it") from None
+            raise EesdError(
+                f"{self.path} is truncated or corrupt (header ends early)",
+                hint="the file may be truncated or corrupt: rebuild or re-download it",
+            ) from None
         self.p += struct.calcsize(fmt)
         return v[0]
 
     def string(self) -> str:
         n = self.take("<Q")
         if self.p + n > len(self.d):
-            raise EesdError(f"{self.path} is truncated or corrupt (string past the end)", hint="the file may be truncated or corrupt: rebuild or re-download it")
+            raise EesdError(
+                f"{self.path} is truncated or corrupt (string past the end)",
+                hint="the file may be truncated or corrupt: rebuild or re-download it",
+            )
         s = bytes(self.d[self.p : self.p + n])
         self.p += n
         return s.decode("utf-8", errors="replace")
@@ -102,7 +120,10 @@ class _Buf:
                 for _ in range(n):  # skip: 8-byte length + bytes
                     self.p += 8 + struct.unpack_from("<Q", self.d, self.p)[0]
                 if self.p > len(self.d):
-                    raise EesdError(f"{self.path} is truncated or corrupt", hint="the file may be truncated or corrupt: rebuild or re-download it")
+                    raise EesdError(
+                        f"{self.path} is truncated or corrupt",
+                        hint="the file may be truncated or corrupt: rebuild or re-download it",
+                    )
                 return n
             return [self.value(etype, keep_strings) for _ in range(n)]
         raise EesdError(f"{self.path} has an unknown GGUF value type {vtype}", hint="the file may be corrupt")
@@ -141,13 +162,18 @@ def read_header(path: Path, *, keep_strings: tuple[str, ...] = ()) -> GGUFHeader
         try:
             nbytes = _tensor_nbytes(dims, ttype)
         except (KeyError, ValueError):
-            raise EesdError(f"{path}: tensor {name} has an unknown type {ttype}", hint="the file may be corrupt or too new") from None
+            raise EesdError(
+                f"{path}: tensor {name} has an unknown type {ttype}", hint="the file may be corrupt or too new"
+            ) from None
         tensors[name] = TensorInfo(name, dims, ttype, off, nbytes)
     alignment = int(kv.get("general.alignment", 32))
     data_offset = (buf.p + alignment - 1) // alignment * alignment
     end = max((t.offset + t.nbytes for t in tensors.values()), default=0)
     if data_offset + end > size:
-        raise EesdError(f"{path} is truncated ({size} bytes, its tensors need {data_offset + end})", hint="the file may be truncated or corrupt: rebuild or re-download it")
+        raise EesdError(
+            f"{path} is truncated ({size} bytes, its tensors need {data_offset + end})",
+            hint="the file may be truncated or corrupt: rebuild or re-download it",
+        )
     return GGUFHeader(path, version, kv, kv_raw, tensors, data_offset, alignment, size)
 
 
@@ -172,24 +198,27 @@ def kv_bytes(key: str, value: Any) -> bytes:
     raise TypeError(f"cannot encode {key}={value!r}")
 
 
-def write_gguf(out: BinaryIO, kv_pairs: list[bytes], tensors: list[tuple[str, tuple[int, ...], int, Any]], alignment: int = 32) -> None:
+def write_gguf(
+    out: BinaryIO, kv_pairs: list[bytes], tensors: list[tuple[str, tuple[int, ...], int, Any]], alignment: int = 32
+) -> None:
     """Write a GGUF: raw key/value pairs, then tensors given as (name, dims, ggml type, data)
     where data is a bytes-like object (or a callable returning one, read when written)."""
-    sizes = []
-    for name, dims, ttype, data in tensors:
-        sizes.append(_tensor_nbytes(dims, ttype))
+    sizes = [_tensor_nbytes(dims, ttype) for _, dims, ttype, _ in tensors]
     head = bytearray(MAGIC + struct.pack("<IQQ", 3, len(tensors), len(kv_pairs)))
     for p in kv_pairs:
         head += p
     offset = 0
-    offsets = []
     for (name, dims, ttype, _), nbytes in zip(tensors, sizes):
-        offsets.append(offset)
-        head += _str(name) + struct.pack("<I", len(dims)) + b"".join(struct.pack("<Q", d) for d in dims) + struct.pack("<IQ", ttype, offset)
+        head += (
+            _str(name)
+            + struct.pack("<I", len(dims))
+            + b"".join(struct.pack("<Q", d) for d in dims)
+            + struct.pack("<IQ", ttype, offset)
+        )
         offset += (nbytes + alignment - 1) // alignment * alignment
     head += b"\0" * ((-len(head)) % alignment)
     out.write(head)
-    for (name, dims, ttype, data), nbytes in zip(tensors, sizes):
+    for (name, _, _, data), nbytes in zip(tensors, sizes):
         raw = data() if callable(data) else data
         mv = memoryview(np.ascontiguousarray(raw)).cast("B") if isinstance(raw, np.ndarray) else memoryview(raw).cast("B")
         if len(mv) != nbytes:

@@ -111,7 +111,10 @@ def model_info(path: Path) -> dict:
 
 def check_exit_layer(n: int, n_layer: int, what: str) -> None:
     if not 1 <= n <= n_layer - 1:
-        raise EesdError(f"exit layer {n} is outside {what}'s layers (it has {n_layer}; N must be 1..{n_layer - 1})", hint="pick N between 1 and the layer count minus 1")
+        raise EesdError(
+            f"exit layer {n} is outside {what}'s layers (it has {n_layer}; N must be 1..{n_layer - 1})",
+            hint="pick N between 1 and the layer count minus 1",
+        )
 
 
 # --- head files ---------------------------------------------------------------------
@@ -168,7 +171,9 @@ def read_head_info(head_path: Path) -> dict:
             raise EesdError(f"{head_path} is not a GGUF head file", hint="pass a head made by `eesd heads train`")
     reader = _reader(head_path)
     if _field(reader, "general.architecture") != HEAD_ARCH or _field(reader, "eesd.head.format") is None:
-        raise EesdError(f"{head_path} is a GGUF file but not an exit head", hint="pass a head made by `eesd heads train`, not a model")
+        raise EesdError(
+            f"{head_path} is a GGUF file but not an exit head", hint="pass a head made by `eesd heads train`, not a model"
+        )
     info = {
         "path": str(head_path),
         "format": int(_field(reader, "eesd.head.format")),
@@ -251,7 +256,9 @@ def draft_key(base_fp: str, head_path: Path, lm_head_type: str) -> str:
     return digest.hexdigest()[:24]
 
 
-def build_draft(base_path: Path, head_path: Path, *, force: bool = False, lm_head_type: str = "Q4_0", out_path: Path | None = None) -> Path:
+def build_draft(
+    base_path: Path, head_path: Path, *, force: bool = False, lm_head_type: str = "Q4_0", out_path: Path | None = None
+) -> Path:
     """base GGUF + head -> draft GGUF in cache_dir('drafts'), built once and reused."""
     import gguf
 
@@ -281,7 +288,9 @@ def build_draft(base_path: Path, head_path: Path, *, force: bool = False, lm_hea
     if info.get("ffn_from_base_block") is None:
         missing += [f"blk.{n}.{p}" for p in FFN_PARTS if f"blk.{n}.{p}" not in hreader.tensors]
     if missing:
-        raise EesdError(f"the head {head_path} lacks tensors {missing}", hint="the head file is incomplete: retrain or re-download it")
+        raise EesdError(
+            f"the head {head_path} lacks tensors {missing}", hint="the head file is incomplete: retrain or re-download it"
+        )
     # metadata: the base's pairs byte for byte, block_count (and per-layer arrays) for N+1 blocks
     kv = []
     for key, raw in breader.kv_raw.items():

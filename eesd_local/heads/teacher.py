@@ -88,7 +88,9 @@ def chat_formatter(model_path: Path) -> Callable[[list[dict]], str]:
     def token_text(key: str) -> str:
         return str(tokens[int(kv[key])]) if key in kv else ""
 
-    fmt = Jinja2ChatFormatter(template, eos_token=token_text("tokenizer.ggml.eos_token_id"), bos_token=token_text("tokenizer.ggml.bos_token_id"))
+    fmt = Jinja2ChatFormatter(
+        template, eos_token=token_text("tokenizer.ggml.eos_token_id"), bos_token=token_text("tokenizer.ggml.bos_token_id")
+    )
 
     def render(messages: list[dict]) -> str:
         return fmt(messages=messages).prompt
@@ -224,7 +226,9 @@ def run_teacher(
         return on_disk
     shard_no = len(shard_paths(out_dir))
     render = chat_formatter(model_path)
-    runner = LlamaRunner(model_path, n_parallel=cfg.n_parallel, n_ctx_per_seq=cfg.max_prompt + cfg.max_new + 8, threads=cfg.threads)
+    runner = LlamaRunner(
+        model_path, n_parallel=cfg.n_parallel, n_ctx_per_seq=cfg.max_prompt + cfg.max_new + 8, threads=cfg.threads
+    )
     pending: Iterator[Item] = (it for it in items if it.id not in skip)
     slots: list[_Slot | None] = [None] * cfg.n_parallel
     finished: list[_Slot] = []

@@ -58,7 +58,9 @@ def hf_config(w: GGUFWeights, n_layers: int):
 
     arch = str(w.field("general.architecture"))
     if arch not in SUPPORTED_ARCHS:
-        raise EesdError(f"training heads supports {', '.join(SUPPORTED_ARCHS)} models, not {arch!r}", hint="pick a qwen2-family GGUF")
+        raise EesdError(
+            f"training heads supports {', '.join(SUPPORTED_ARCHS)} models, not {arch!r}", hint="pick a qwen2-family GGUF"
+        )
     p = f"{arch}."
     n_vocab = int(w.field("tokenizer.ggml.tokens"))  # the parser gives a skipped string array's length
     cfg = Qwen2Config(
@@ -137,7 +139,7 @@ def make_exit_head(base_path: Path, exit_layer: int, init_from: int | None = Non
     cfg = hf_config(w, 1)
     head = ExitHead(cfg, exit_layer)
     _load_block(head.block, w, n_layer - 1 if init_from is None else init_from)
-    head.norm.weight.data.copy_(torch.from_numpy(w.get("output_norm.weight")))
+    head.norm.weight.data.copy_(torch.from_numpy(w.get("output_norm.weight").copy()))
     lm = w.get("output.weight") if "output.weight" in w else w.get("token_embd.weight")
     return head, torch.from_numpy(lm)
 
@@ -166,12 +168,20 @@ def _exit_head_class():
 
         def gguf_tensors(self, skip_mlp: bool = False) -> dict[str, np.ndarray]:
             sd = self.block.state_dict()
-            out = {g: sd[h].detach().float().numpy() for g, h in BLOCK_MAP.items() if h in sd and not (skip_mlp and h.startswith("mlp."))}
+            out = {
+                g: sd[h].detach().float().numpy()
+                for g, h in BLOCK_MAP.items()
+                if h in sd and not (skip_mlp and h.startswith("mlp."))
+            }
             out["output_norm.weight"] = self.norm.weight.detach().float().numpy()
             return out
 
         def load_gguf_tensors(self, tensors: dict[str, np.ndarray]) -> None:
-            sd = {BLOCK_MAP[g]: torch.from_numpy(np.asarray(a, np.float32).reshape(self.block.state_dict()[BLOCK_MAP[g]].shape)) for g, a in tensors.items() if g in BLOCK_MAP}
+            sd = {
+                BLOCK_MAP[g]: torch.from_numpy(np.asarray(a, np.float32).reshape(self.block.state_dict()[BLOCK_MAP[g]].shape))
+                for g, a in tensors.items()
+                if g in BLOCK_MAP
+            }
             self.block.load_state_dict(sd, strict=False)
             if "output_norm.weight" in tensors:
                 self.norm.weight.data.copy_(torch.from_numpy(np.asarray(tensors["output_norm.weight"], np.float32)))

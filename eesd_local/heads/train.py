@@ -59,19 +59,29 @@ class Seq:
 
 
 def trunk_paths(data_dir: Path, n: int) -> list[Path]:
-    return [p.with_name(p.name.replace("teacher-", f"trunk-N{n}-").replace(".npz", ".npy")) for p in teacher.shard_paths(data_dir)]
+    return [
+        p.with_name(p.name.replace("teacher-", f"trunk-N{n}-").replace(".npz", ".npy")) for p in teacher.shard_paths(data_dir)
+    ]
 
 
 _TRUNKS: dict = {}
 
 
-def cache_trunk_states(base_path: Path, data_dir: Path, layers: tuple[int, ...], *, threads: int = 2, progress: Callable[[str], None] | None = None) -> None:
+def cache_trunk_states(
+    base_path: Path, data_dir: Path, layers: tuple[int, ...], *, threads: int = 2, progress: Callable[[str], None] | None = None
+) -> None:
     """Compute and save trunk states for every shard lacking them (one trunk pass serves all N)."""
     import torch
 
     torch.set_num_threads(threads)
     shards = teacher.shard_paths(data_dir)
-    todo = [s for s in shards if any(not (_p := s.with_name(s.name.replace("teacher-", f"trunk-N{n}-").replace(".npz", ".npy"))).exists() for n in layers)]
+    todo = [
+        s
+        for s in shards
+        if any(
+            not (_p := s.with_name(s.name.replace("teacher-", f"trunk-N{n}-").replace(".npz", ".npy"))).exists() for n in layers
+        )
+    ]
     if not todo:
         return
     key = (str(base_path), max(layers))
@@ -204,6 +214,7 @@ def train_head(
     device: str = "cpu",
     data_summary: dict | None = None,
     force: bool = True,
+    init_head: Path | None = None,
 ) -> dict:
     """Train the exit head on cached shards; write the head GGUF to ``out_path``; return a summary."""
     import torch
@@ -215,11 +226,20 @@ def train_head(
     rng = np.random.default_rng(cfg.seed)
     seqs = load_sequences(data_dir, cfg.exit_layer, cfg.top_k, max_tokens)
     if not seqs:
-        raise EesdError(f"no training data with trunk states for N={cfg.exit_layer} under {data_dir}", hint="run the teacher pass first (eesd heads train does it)")
+        raise EesdError(
+            f"no training data with trunk states for N={cfg.exit_layer} under {data_dir}",
+            hint="run the teacher pass first (eesd heads train does it)",
+        )
     held = [s for i, s in enumerate(seqs) if i % cfg.heldout_every == cfg.heldout_every - 1]
     train = [s for i, s in enumerate(seqs) if i % cfg.heldout_every != cfg.heldout_every - 1]
     n_tokens = sum(len(s.hid) for s in train)
     head, lm_w = make_exit_head(base_path, cfg.exit_layer)
+    if init_head is not None:  # continue from an earlier head (more data, a fresh schedule)
+        from .headfile import head_tensors, read_head_info
+
+        if read_head_info(init_head)["exit_layer"] != cfg.exit_layer:
+            raise EesdError(f"{init_head} is a head for another exit layer than {cfg.exit_layer}")
+        head.load_gguf_tensors(head_tensors(init_head))
     head.to(device)
     lm_w = lm_w.to(device)
     if cfg.freeze_mlp:
@@ -245,7 +265,16 @@ def train_head(
 
     def save_ckpt() -> None:
         with atomic_path(ckpt_path) as tmp:
-            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "history": history, "exit_layer": cfg.exit_layer}, tmp)
+            torch.save(
+                {
+                    "head": head.state_dict(),
+                    "opt": opt.state_dict(),
+                    "step": step,
+                    "history": history,
+                    "exit_layer": cfg.exit_layer,
+                },
+                tmp,
+            )
 
     def lr_at(s: int) -> float:
         warm = min(20, total_steps // 10 + 1)
@@ -265,7 +294,9 @@ def train_head(
     agree = agreement(head, lm_w, held) if step == 0 else (history[-1]["heldout"] if history else {})
     if step == 0:
         history.append({"step": 0, "tokens": 0, "epoch": 0.0, "heldout": agree})
-        log(f"N={cfg.exit_layer}: {len(train)} train sequences ({n_tokens} tokens), {len(held)} held out; start agreement {agree}")
+        log(
+            f"N={cfg.exit_layer}: {len(train)} train sequences ({n_tokens} tokens), {len(held)} held out; start agreement {agree}"
+        )
     try:
         epoch = step // max(epoch_batches, 1)
         while step < total_steps and not stop["flag"]:
@@ -277,7 +308,9 @@ def train_head(
                 h, ids, lp, _ = _pad(train, idx)
                 valid = ids[..., 0] >= 0
                 z = head(h.to(device))[valid]
-                neg = np.unique(np.concatenate([rng.choice(vocab, cfg.negatives // 2, p=uni), rng.integers(0, vocab, cfg.negatives // 2)]))
+                neg = np.unique(
+                    np.concatenate([rng.choice(vocab, cfg.negatives // 2, p=uni), rng.integers(0, vocab, cfg.negatives // 2)])
+                )
                 loss, acc = distill_loss(z, lm_w, ids[valid].to(device), lp[valid].to(device), torch.from_numpy(neg).to(device))
                 for g in opt.param_groups:
                     g["lr"] = lr_at(step)
@@ -287,17 +320,31 @@ def train_head(
                 opt.step()
                 step += 1
                 tokens_seen += int(valid.sum())
-                loss_ema = float(loss) if loss_ema is None else 0.9 * loss_ema + 0.1 * float(loss)
-                acc_ema = float(acc) if acc_ema is None else 0.9 * acc_ema + 0.1 * float(acc)
+                loss_v, acc_v = float(loss.detach()), float(acc)
+                loss_ema = loss_v if loss_ema is None else 0.9 * loss_ema + 0.1 * loss_v
+                acc_ema = acc_v if acc_ema is None else 0.9 * acc_ema + 0.1 * acc_v
                 if step % cfg.eval_every == 0 or step == total_steps:
                     agree = agreement(head, lm_w, held)
-                    history.append({"step": step, "tokens": tokens_seen, "epoch": round(step / epoch_batches, 2), "loss": round(loss_ema, 4), "heldout": agree})
+                    history.append(
+                        {
+                            "step": step,
+                            "tokens": tokens_seen,
+                            "epoch": round(step / epoch_batches, 2),
+                            "loss": round(loss_ema, 4),
+                            "heldout": agree,
+                        }
+                    )
                     log(json.dumps(history[-1]))
                 if step % cfg.ckpt_every == 0:
                     save_ckpt()
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(loss=f"{loss_ema:.3f}", acc=f"{acc_ema:.2f}", held=f"{agree.get('all', 0):.3f}", tok_s=f"{tokens_seen / max(time.time() - t0, 1e-9):.0f}")
+                    bar.set_postfix(
+                        loss=f"{loss_ema:.3f}",
+                        acc=f"{acc_ema:.2f}",
+                        held=f"{agree.get('all', 0):.3f}",
+                        tok_s=f"{tokens_seen / max(time.time() - t0, 1e-9):.0f}",
+                    )
             epoch += 1
     finally:
         signal.signal(signal.SIGINT, old)
@@ -314,7 +361,7 @@ def train_head(
         "train_tokens": n_tokens,
         "final_loss": round(loss_ema or float("nan"), 4),
         "agreement": agree,
-        "agreement_note": "top-1 on held-out answer tokens of the training mix (1 in 20 sequences)",
+        "agreement_note": f"top-1 on held-out answer tokens of the training mix (1 in {cfg.heldout_every} sequences)",
         "throughput_tok_s": round(tokens_seen / max(elapsed, 1e-9), 1),
         "config": asdict(cfg),
         "data": data_summary or {},
@@ -325,6 +372,14 @@ def train_head(
 
         h = read_header(Path(base_path))
         summary["ffn_from_base_block"] = int(h.kv[f"{h.kv['general.architecture']}.block_count"]) - 1
-    write_head(out_path, base_path=base_path, exit_layer=cfg.exit_layer, tensors=head.gguf_tensors(skip_mlp=cfg.freeze_mlp), meta=summary, qtype=cfg.head_qtype, force=force)
+    write_head(
+        out_path,
+        base_path=base_path,
+        exit_layer=cfg.exit_layer,
+        tensors=head.gguf_tensors(skip_mlp=cfg.freeze_mlp),
+        meta=summary,
+        qtype=cfg.head_qtype,
+        force=force,
+    )
     summary["interrupted"] = stop["flag"]
     return summary
