@@ -18,13 +18,15 @@ from typing import Any
 import numpy as np
 
 from . import chat as chat_mod
+from . import native_round
 from .drafters import make_drafter
 from .drafters.base import Drafter, NoDrafter
 from .errors import EesdError
 from .events import Event, FinishEvent, RoundEvent, Stats, TokenEvent
+from .native_round import RoundResult
 from .registry import resolve_model
 from .runtime import Context, ContextParams, Detokenizer, Model, common_prefix
-from .sampling import SamplingParams, probs, sample, verify_greedy, verify_sampled
+from .sampling import SamplingParams, TokenRNG, Uniform, probs, sample, verify_greedy, verify_sampled
 
 
 @dataclass
@@ -39,6 +41,41 @@ class EngineConfig:
     n_gpu_layers: int = 0
     n_threads: int | None = None
     seed: int = 0  # the controller's seed
+
+
+class PythonRounds:
+    """The round in Python: the controller drafts d1..dk, the target decodes [last, d1..dk]
+    in ONE llama_decode, the accepted prefix is kept and the rest of the KV rolled back."""
+
+    def __init__(self, ctx: Context, drafter: Drafter, controller: Any, params: SamplingParams, rng: Uniform) -> None:
+        self.ctx, self.drafter, self.ctl, self.params, self.rng = ctx, drafter, controller, params, rng
+
+    def room(self) -> int:
+        return self.ctx.room()
+
+    def run(self, history: list[int], max_n: int) -> RoundResult:
+        ctx, ctl, params = self.ctx, self.ctl, self.params
+        ctl.begin_round()
+        t1 = time.perf_counter()
+        prop = self.drafter.propose(history, ctl.draft_more, max_n, params, self.rng)
+        t2 = time.perf_counter()
+        n_keep = ctx.n_past + 1  # the cache keeps `last` ...
+        ctx.decode([history[-1], *prop.tokens], n_logits=len(prop) + 1)
+        if params.greedy:
+            m, nxt = verify_greedy(np.stack([ctx.logits(i) for i in range(len(prop) + 1)]), prop.tokens)
+        else:
+            m, nxt = verify_sampled(ctx.logits_rows(), prop.tokens, prop.probs, params, self.rng)
+        ctx.trim(n_keep + m)  # ... and the accepted drafts; the rest is rolled back
+        t3 = time.perf_counter()
+        ctl.end_round(np.asarray(prop.confidences, dtype=np.float64), m, t2 - t1, t3 - t2)
+        self.drafter.accept(history + prop.tokens[:m] + [nxt], m)
+        return RoundResult(prop.tokens, m, nxt, t2 - t1, t3 - t2)
+
+    def close(self) -> None:
+        pass
+
+
+Rounds = PythonRounds | native_round.NativeRounds
 
 
 class Engine:
@@ -58,6 +95,7 @@ class Engine:
             self.close()
             raise
         self._cancel = False
+        self.loop_note = native_round.status(self.drafter)[1]  # which round loop runs, and why
 
     # --- the round loop --------------------------------------------------
 
@@ -86,6 +124,7 @@ class Engine:
         text: list[str] = []
         history = list(prompt)
         reason = "length"
+        rounds: Rounds | None = None
         try:
             t0 = time.perf_counter()
             # prefill, reusing the cached common prefix; the last prompt token gives the first logits
@@ -94,6 +133,7 @@ class Engine:
             ctx.decode(prompt[keep:])
             first = self._pick(ctx.logits(), params, rng)
             drafter.begin(prompt)
+            rounds = self._rounds(params, rng)
             stats.t_prefill = time.perf_counter() - t0
             t_start = time.perf_counter()
             pending = [(first, "target")]
@@ -120,34 +160,23 @@ class Engine:
                 if reason or self._cancel:
                     reason = reason or "cancelled"
                     break
-                room = ctx.room()
+                room = rounds.room()
                 if room < 1:
                     reason = "length"
                     break
-                # one round: draft, verify in one batch, accept, roll back
+                # one round: draft, verify in one batch, accept, roll back (Python or native)
                 round_no += 1
-                max_n = min(self.config.draft_max, max_tokens - stats.n_generated - 1, room - 1)
-                ctl.begin_round()
-                t1 = time.perf_counter()
-                prop = drafter.propose(history, ctl.draft_more, max(0, max_n), params, rng)
-                t2 = time.perf_counter()
-                n_keep = ctx.n_past + 1  # the cache keeps `last` ...
-                ctx.decode([history[-1], *prop.tokens], n_logits=len(prop) + 1)
-                if params.greedy:
-                    m, nxt = verify_greedy(np.stack([ctx.logits(i) for i in range(len(prop) + 1)]), prop.tokens)
-                else:
-                    m, nxt = verify_sampled(ctx.logits_rows(), prop.tokens, prop.probs, params, rng)
-                ctx.trim(n_keep + m)  # ... and the accepted drafts; the rest is rolled back
-                t3 = time.perf_counter()
-                ctl.end_round(np.asarray(prop.confidences, dtype=np.float64), m, t2 - t1, t3 - t2)
-                stats.record_round(len(prop), m)
-                stats.t_draft += t2 - t1
-                stats.t_verify += t3 - t2
-                pending = [(t, "draft") for t in prop.tokens[:m]]
-                pending.append((nxt, "bonus" if m == len(prop) and m > 0 else "target"))
-                drafter.accept(history + [t for t, _ in pending], m)
-                yield RoundEvent(round_no, len(prop), m, m + 1, t2 - t1, t3 - t2, _belief(ctl))
+                r = rounds.run(history, max(0, min(self.config.draft_max, max_tokens - stats.n_generated - 1, room - 1)))
+                k, m = len(r.drafted), r.accepted
+                stats.record_round(k, m)
+                stats.t_draft += r.t_draft
+                stats.t_verify += r.t_verify
+                pending = [(t, "draft") for t in r.drafted[:m]]
+                pending.append((r.next_token, "bonus" if m == k and m > 0 else "target"))
+                yield RoundEvent(round_no, k, m, m + 1, r.t_draft, r.t_verify, _belief(ctl))
         finally:
+            if rounds is not None:
+                rounds.close()  # the native loop hands its KV records back to the contexts
             # the rollback always runs: the cache holds exactly the emitted history but `last`
             ctx.trim(min(ctx.n_past, max(0, len(history) - 1)))
             stats.t_decode = time.perf_counter() - t_start if "t_start" in locals() else 0.0
@@ -156,7 +185,14 @@ class Engine:
             text.append(tail)
         yield FinishEvent(reason, stats, "".join(text))  # type: ignore[arg-type]
 
-    def _pick(self, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    def _rounds(self, params: SamplingParams, rng: TokenRNG) -> Rounds:
+        """The round loop for this generation: native when the extension can run it, else Python."""
+        use_native, self.loop_note = native_round.status(self.drafter)
+        if use_native:
+            return native_round.NativeRounds(self.ctx, self.drafter, self.controller, params, rng)
+        return PythonRounds(self.ctx, self.drafter, self.controller, params, rng)
+
+    def _pick(self, logits: np.ndarray, params: SamplingParams, rng: Uniform) -> int:
         if params.greedy:
             return int(np.argmax(logits))
         return sample(probs(logits, params), rng)

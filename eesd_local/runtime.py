@@ -78,6 +78,7 @@ class Model:
         self.eos = int(lc.llama_vocab_eos(self.vocab))
         self.add_bos = bool(lc.llama_vocab_get_add_bos(self.vocab))
         self._pieces: dict[int, bytes] = {}
+        self._eog: dict[int, bool] = {}
 
     # --- metadata --------------------------------------------------------
 
@@ -129,7 +130,10 @@ class Model:
         return b"".join(self.token_to_piece(t) for t in tokens).decode("utf-8", errors="replace")
 
     def is_eog(self, token: int) -> bool:
-        return bool(lc.llama_vocab_is_eog(self.vocab, token))
+        eog = self._eog.get(token)
+        if eog is None:  # asked once per emitted token: remember the answer rather than call llama.cpp
+            eog = self._eog[token] = bool(lc.llama_vocab_is_eog(self.vocab, token))
+        return eog
 
     def close(self) -> None:
         if getattr(self, "ptr", None):
@@ -184,7 +188,7 @@ class Context:
             raise EesdError(f"llama.cpp could not create a context of {params.n_ctx} tokens for {model.path.name}", hint="try a smaller --ctx")
         self.ptr = ptr
         self.n_ctx = int(lc.llama_n_ctx(ptr))
-        self.n_batch = params.n_batch
+        self.n_batch = int(lc.llama_n_batch(ptr))  # llama.cpp caps n_batch at the n_ctx asked for
         self.mem = lc.llama_get_memory(ptr)
         self.tokens: list[int] = []  # what the KV cache holds, position by position
         self._batch = lc.llama_batch_init(self.n_batch, 0, 1)

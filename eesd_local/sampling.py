@@ -15,7 +15,9 @@ the (at most a handful of) draft positions.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -24,6 +26,12 @@ from .errors import EesdError
 # top-p works on the few largest logits first; it falls back to a full sort only
 # when these do not hold top_p of the mass
 _TOP_P_CANDIDATES = 2048
+
+
+class Uniform(Protocol):
+    """A source of U[0, 1) draws: :class:`TokenRNG`, or a NumPy Generator in tests."""
+
+    def random(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -45,8 +53,31 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def rng(self) -> np.random.Generator:
-        return np.random.default_rng(self.seed)
+    def rng(self) -> TokenRNG:
+        return TokenRNG(self.seed)
+
+
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+
+
+class TokenRNG:
+    """The token sampler's random stream: splitmix64 (Steele, Lea and Flood 2014).
+
+    One 64-bit word of state; the native round loop runs the same generator in C++ and
+    hands the state back, so both loops draw the same numbers. ``random()`` is
+    (z >> 11) * 2**-53: a double in [0, 1) on the 2**-53 grid.
+    """
+
+    __slots__ = ("state",)
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.state = (int.from_bytes(os.urandom(8), "little") if seed is None else seed) & _MASK64
+
+    def random(self) -> float:
+        self.state = s = (self.state + 0x9E3779B97F4A7C15) & _MASK64
+        z = ((s ^ (s >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        return ((z ^ (z >> 31)) >> 11) * 2.0**-53
 
 
 def probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -55,11 +86,11 @@ def probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     n = x.shape[-1]
     keep: np.ndarray | None = None  # indices that survive the filters, None = all
     if params.top_k and params.top_k < n:
-        keep = np.argpartition(x, n - params.top_k)[n - params.top_k :]
+        keep = _top_indices(x, params.top_k)
     if params.top_p < 1.0:
         cand = keep
         if cand is None and n > _TOP_P_CANDIDATES:
-            cand = np.argpartition(x, n - _TOP_P_CANDIDATES)[n - _TOP_P_CANDIDATES :]
+            cand = _top_indices(x, _TOP_P_CANDIDATES)
         keep = _top_p(x, cand, params.top_p)
     t = params.temperature if params.temperature > 0 else 1.0
     out = np.zeros(n, dtype=np.float64)
@@ -73,11 +104,20 @@ def probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return out
 
 
+def _top_indices(x: np.ndarray, k: int) -> np.ndarray:
+    """The k largest entries; among ties at the k-th value the lowest indices win, so that
+    the native loop (which follows the same rule) keeps the very same set."""
+    thr = np.partition(x, x.shape[0] - k)[x.shape[0] - k]  # the k-th largest value
+    above = np.flatnonzero(x > thr)
+    return np.concatenate([above, np.flatnonzero(x == thr)[: k - len(above)]])
+
+
 def _top_p(x: np.ndarray, cand: np.ndarray | None, top_p: float) -> np.ndarray:
-    """Smallest set of tokens, by descending logit, whose softmax mass reaches top_p."""
+    """Smallest set of tokens, by descending logit (ties: lower index first), whose softmax
+    mass reaches top_p."""
     m = x.max()
     total = np.exp(x - m).sum()  # the full softmax denominator at temperature 1
-    idx = np.arange(x.shape[0]) if cand is None else cand
+    idx = np.arange(x.shape[0]) if cand is None else np.sort(cand)
     order = idx[np.argsort(-x[idx], kind="stable")]
     mass = np.cumsum(np.exp(x[order] - m)) / total
     cut = int(np.searchsorted(mass, top_p)) + 1
@@ -86,7 +126,7 @@ def _top_p(x: np.ndarray, cand: np.ndarray | None, top_p: float) -> np.ndarray:
     return order[:cut]
 
 
-def sample(p: np.ndarray, rng: np.random.Generator) -> int:
+def sample(p: np.ndarray, rng: Uniform) -> int:
     """Draw one token from distribution ``p`` (inverse CDF over its support)."""
     support = np.flatnonzero(p)
     cdf = np.cumsum(p[support])
@@ -108,7 +148,7 @@ def verify_sampled(
     drafts: list[int],
     draft_probs: list[np.ndarray | None],
     params: SamplingParams,
-    rng: np.random.Generator,
+    rng: Uniform,
 ) -> tuple[int, int]:
     """Speculative sampling over k drafts; (accepted, next token).
 

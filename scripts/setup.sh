@@ -30,9 +30,12 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   $PIP install --progress-bar on "$EESD_TORCH"
 fi
 
-step "installing eesd-local with its train and dev extras"
-$PIP install --progress-bar on -e '.[train,dev]'
-.venv/bin/python -c "import eesd_local.engine, eesd_chat.app" || { echo "install failed"; exit 1; }
+step "installing eesd-local with its train and dev extras (compiles the native round loop)"
+# the extension links against the llama-cpp-python in .venv: no build isolation, so the
+# build tools go into .venv first
+$PIP install --progress-bar on "setuptools>=68" wheel "pybind11>=2.12"
+$PIP install --progress-bar on --no-build-isolation -e '.[train,dev]'
+.venv/bin/python -c "import eesd_local.engine, eesd_chat.app, eesd_local._native" || { echo "install failed"; exit 1; }
 
 step "fetching the default demo model"
 .venv/bin/eesd models pull qwen2.5-coder-0.5b-instruct

@@ -55,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     with load(**vars(engine_config(args))) as engine:
         print(engine.drafter_note, file=sys.stderr)
+        if args.verbose:
+            print(engine.loop_note, file=sys.stderr)
         if args.chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
             prompt = engine.apply_chat_template(messages)

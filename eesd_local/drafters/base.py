@@ -13,7 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, Uniform
 
 # want_more(step, confidence): step = tokens drafted so far this round, confidence =
 # the drafter's probability of the token it just drafted (1.0 before the first)
@@ -42,7 +42,7 @@ class Drafter(Protocol):
         """A new request whose history starts with ``prompt``."""
 
     def propose(self, history: list[int], want_more: WantMore, max_n: int, params: SamplingParams,
-                rng: np.random.Generator) -> Proposal:
+                rng: Uniform) -> Proposal:
         """Up to ``max_n`` tokens continuing ``history`` (which ends with the last emitted token)."""
 
     def accept(self, history: list[int], n_accepted: int) -> None:
@@ -61,7 +61,7 @@ class NoDrafter:
         pass
 
     def propose(self, history: list[int], want_more: WantMore, max_n: int, params: SamplingParams,
-                rng: np.random.Generator) -> Proposal:
+                rng: Uniform) -> Proposal:
         return Proposal()
 
     def accept(self, history: list[int], n_accepted: int) -> None:

@@ -9,9 +9,7 @@ target's verification stays exact.
 
 from __future__ import annotations
 
-import numpy as np
-
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, Uniform
 from .base import Proposal, WantMore
 from .lookup import LookupDrafter
 from .model import ModelDrafter
@@ -30,7 +28,7 @@ class HierarchicalDrafter:
         self.inner.begin(prompt)
 
     def propose(self, history: list[int], want_more: WantMore, max_n: int, params: SamplingParams,
-                rng: np.random.Generator) -> Proposal:
+                rng: Uniform) -> Proposal:
         guesses, _ = self.lookup.lookup(history, max_n)
         return self.inner.propose(history, want_more, max_n, params, rng, guess=guesses)
 

@@ -4,9 +4,7 @@ the answer copies its input (edits, code rewrites)."""
 
 from __future__ import annotations
 
-import numpy as np
-
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, Uniform
 from .base import Proposal, WantMore
 
 
@@ -49,7 +47,7 @@ class LookupDrafter:
         return [], 0
 
     def propose(self, history: list[int], want_more: WantMore, max_n: int, params: SamplingParams,
-                rng: np.random.Generator) -> Proposal:
+                rng: Uniform) -> Proposal:
         prop = Proposal()
         if max_n <= 0 or not want_more(0, 1.0):
             return prop

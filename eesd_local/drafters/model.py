@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import EesdError
 from ..runtime import Context, ContextParams, Model, common_prefix
-from ..sampling import SamplingParams, probs, sample
+from ..sampling import SamplingParams, Uniform, probs, sample
 from .base import Proposal, WantMore
 
 
@@ -28,7 +28,7 @@ def check_same_vocab(target: Model, draft: Model, what: str) -> None:
         )
 
 
-def pick(row: np.ndarray, guess: int | None, params: SamplingParams, rng: np.random.Generator) -> tuple[int, np.ndarray | None, float]:
+def pick(row: np.ndarray, guess: int | None, params: SamplingParams, rng: Uniform) -> tuple[int, np.ndarray | None, float]:
     """(token, q, confidence) from a draft logit row; a guess is kept only as q allows.
 
     Greedy: the argmax. Sampling: a token distributed exactly as q; with a guess g
@@ -66,7 +66,7 @@ class ModelDrafter:
         pass  # the context syncs lazily and reuses any common prefix
 
     def propose(self, history: list[int], want_more: WantMore, max_n: int, params: SamplingParams,
-                rng: np.random.Generator, guess: Sequence[int] = ()) -> Proposal:
+                rng: Uniform, guess: Sequence[int] = ()) -> Proposal:
         prop = Proposal()
         if max_n <= 0 or not want_more(0, 1.0):
             return prop

@@ -1,0 +1,136 @@
+"""Glue between the engine and the native round loop (``eesd_local._native``).
+
+The extension runs a whole round in C++: the controller's decisions (the same Numba
+kernels, as C function pointers), drafting with the draft context or taking lookup
+proposals computed here, the ONE batched verify, greedy or speculative-sampling
+acceptance, and the KV trims of both contexts. It keeps its own record of what each
+KV cache holds for the length of a generation: the record moves in when the rounds
+start and back into the Python contexts on :meth:`NativeRounds.close`.
+
+``EESD_NATIVE=0`` forces the Python loop; without the extension the engine falls back
+to it by itself. Both give the same tokens and the same events.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, NamedTuple
+
+from .drafters.base import NoDrafter
+from .drafters.hierarchical import HierarchicalDrafter
+from .drafters.lookup import LookupDrafter
+from .drafters.model import ModelDrafter
+from .errors import ContextFullError, EesdError
+from .runtime import Context
+from .sampling import SamplingParams, TokenRNG
+
+NONE, POINT, MODEL = 0, 1, 2  # the extension's drafting modes: nothing, fixed proposals, a draft model
+
+
+class RoundResult(NamedTuple):
+    drafted: list[int]  # d1..dk
+    accepted: int  # m: d1..dm were kept
+    next_token: int  # the target's token after them (a correction, or the bonus when m == k > 0)
+    t_draft: float
+    t_verify: float
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> tuple[Any, str]:
+    """(the extension or None, why not)."""
+    try:
+        from . import _native
+    except ImportError as exc:
+        return None, str(exc)
+    return _native, ""
+
+
+def status(drafter: Any) -> tuple[bool, str]:
+    """(use the native loop for ``drafter``?, a one-line note saying which loop runs and why)."""
+    if os.environ.get("EESD_NATIVE", "").strip() == "0":
+        return False, "round loop: Python (EESD_NATIVE=0)"
+    native, why = _load()
+    if native is None:
+        return False, f"round loop: Python (native extension unavailable: {why})"
+    if _plan(drafter) is None:
+        return False, f"round loop: Python (the native loop does not know the drafter {drafter.name})"
+    return True, "round loop: native"
+
+
+def _plan(drafter: Any) -> tuple[int, Context | None, LookupDrafter | None] | None:
+    """(mode, draft context, lookup drafter) for the drafters the extension knows."""
+    if isinstance(drafter, NoDrafter):
+        return NONE, None, None
+    if isinstance(drafter, LookupDrafter):
+        return POINT, None, drafter
+    if isinstance(drafter, ModelDrafter):
+        return MODEL, drafter.ctx, None
+    if isinstance(drafter, HierarchicalDrafter):
+        return MODEL, drafter.inner.ctx, drafter.lookup
+    return None
+
+
+def _open(ctx: Context, what: str) -> int:
+    if not getattr(ctx, "ptr", None):
+        raise EesdError(f"the {what} context is closed", hint="load the engine again")
+    return int(ctx.ptr)
+
+
+class NativeRounds:
+    """One generation's rounds through the extension (see :class:`eesd_local.engine.PythonRounds`)."""
+
+    def __init__(self, ctx: Context, drafter: Any, controller: Any, params: SamplingParams, rng: TokenRNG) -> None:
+        from .controllers.cfuncs import addresses
+
+        native, why = _load()
+        plan = _plan(drafter)
+        if native is None or plan is None:
+            raise EesdError(f"the native round loop cannot run here: {why or drafter.name}")
+        self.mode, self.draft_ctx, self.lookup = plan
+        self.ctx, self.ctl, self.params, self.rng = ctx, controller, params, rng
+        self._native = native
+        draft = self.draft_ctx
+        self.rounds = native.Rounds(_open(ctx, "target"), ctx.n_batch, _open(draft, "draft") if draft else 0,
+                                    draft.n_batch if draft else 0, *addresses())
+        self.rounds.set_tokens(0, ctx.tokens)
+        if draft is not None:
+            self.rounds.set_tokens(1, draft.tokens)
+        self._started = False
+        self.t_llama = 0.0  # seconds inside llama_decode, both contexts (for overhead measurements)
+
+    def room(self) -> int:
+        return int(self.rounds.room())
+
+    def run(self, history: list[int], max_n: int) -> RoundResult:
+        if not self._started:  # the history is known from the first round on; the extension extends it itself
+            self.rounds.set_history(history)
+            self._started = True
+        _open(self.ctx, "target")
+        if self.draft_ctx is not None:
+            _open(self.draft_ctx, "draft")
+        cands: list[int] = []
+        conf = 0.0
+        if self.lookup is not None:
+            cands, n = self.lookup.lookup(history, max(0, max_n))
+            conf = n / self.lookup.ngram_max  # a longer matched n-gram is a safer bet
+        p = self.params
+        try:
+            drafted, m, nxt, t_draft, t_verify, t_llama, self.rng.state = self.rounds.run(
+                self.ctl.state, len(history), max_n, self.mode, cands, conf, p.temperature, p.top_k, p.top_p, self.rng.state)
+        except self._native.ContextFull as exc:
+            raise ContextFullError(str(exc), hint="start a new conversation or pass a larger --ctx") from None
+        self.t_llama += t_llama
+        return RoundResult(drafted, m, nxt, t_draft, t_verify)
+
+    def close(self) -> None:
+        """Hand the KV records back to the Python contexts."""
+        rounds = getattr(self, "rounds", None)
+        if rounds is None:
+            return
+        if getattr(self.ctx, "ptr", None):
+            self.ctx.tokens[:] = rounds.tokens(0)
+        if self.draft_ctx is not None and getattr(self.draft_ctx, "ptr", None):
+            self.draft_ctx.tokens[:] = rounds.tokens(1)
+        rounds.close()
+        self.rounds = None

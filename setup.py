@@ -1,0 +1,39 @@
+"""Builds eesd_local._native (native/eesd_native.cpp) against the installed llama-cpp-python.
+
+Everything else about the package is in pyproject.toml. The extension includes the
+llama.h that llama-cpp-python installs (<site-packages>/include) and links its
+libllama.so (<site-packages>/llama_cpp/lib), with an RPATH to that directory so that
+the extension and llama_cpp's ctypes share ONE loaded libllama. Hence
+``pip install --no-build-isolation``: the build must see the venv's llama_cpp.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+
+from pybind11.setup_helpers import Pybind11Extension
+from setuptools import setup
+
+spec = importlib.util.find_spec("llama_cpp")
+if spec is None or spec.origin is None:
+    raise SystemExit("llama-cpp-python must be installed first; then: pip install --no-build-isolation -e .")
+LLAMA_CPP_DIR = os.path.dirname(spec.origin)
+LLAMA_LIB_DIR = os.path.join(LLAMA_CPP_DIR, "lib")
+LLAMA_INCLUDE_DIR = os.path.join(os.path.dirname(LLAMA_CPP_DIR), "include")
+LLAMA_CPP_VERSION = importlib.metadata.version("llama-cpp-python")
+
+native = Pybind11Extension(
+    "eesd_local._native",
+    ["native/eesd_native.cpp"],
+    include_dirs=[LLAMA_INCLUDE_DIR],
+    library_dirs=[LLAMA_LIB_DIR],
+    libraries=["llama"],
+    # llama_cpp's copy of libllama: beside the installed package, else where it was at build time
+    extra_link_args=["-Wl,-rpath,$ORIGIN/../llama_cpp/lib", f"-Wl,-rpath,{LLAMA_LIB_DIR}"],
+    define_macros=[("EESD_LLAMA_CPP_VERSION", f'"{LLAMA_CPP_VERSION}"')],
+    cxx_std=17,
+)
+
+setup(ext_modules=[native])

@@ -1,0 +1,224 @@
+"""The native round loop (eesd_local._native): the same tokens and events as the Python loop
+with every drafter, greedy and seeded sampling, on the demo model; its mechanics, fallback
+and bad input on a tiny synthetic GGUF."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import eesd_local
+from eesd_local import native_round
+from eesd_local.errors import EesdError
+from eesd_local.events import FinishEvent, RoundEvent, TokenEvent
+from eesd_local.sampling import SamplingParams, TokenRNG, probs
+from eesd_local.tinygguf import write_tiny_gguf
+
+from .conftest import QWEN05
+
+_native = pytest.importorskip("eesd_local._native", reason="the native extension is not built")
+
+
+def _clear(eng) -> None:
+    """Empty both KV caches, so that both loops start from the same state."""
+    eng.ctx.clear()
+    inner = getattr(eng.drafter, "inner", eng.drafter)
+    if hasattr(inner, "ctx"):
+        inner.ctx.clear()
+
+
+def _events(eng, prompt, monkeypatch, native: bool, **kw):
+    monkeypatch.setenv("EESD_NATIVE", "1" if native else "0")
+    _clear(eng)
+    evs = list(eng.generate(prompt, **kw))
+    assert eng.loop_note.startswith("round loop: native" if native else "round loop: Python")
+    toks = [(e.token, e.text, e.source, e.round) for e in evs if isinstance(e, TokenEvent)]
+    rounds = [(e.index, e.drafted, e.accepted, e.emitted) for e in evs if isinstance(e, RoundEvent)]
+    fin = evs[-1]
+    assert isinstance(fin, FinishEvent)
+    s = fin.stats
+    return toks, rounds, (fin.reason, fin.text, s.n_generated, s.n_rounds, s.n_drafted, s.n_accepted, s.drafted_at, s.accepted_at)
+
+
+def _same_both_ways(eng, prompt, monkeypatch, **kw) -> int:
+    py = _events(eng, prompt, monkeypatch, False, **kw)
+    nat = _events(eng, prompt, monkeypatch, True, **kw)
+    assert nat == py
+    return py[2][4]  # drafted tokens
+
+
+# --- the demo model: every drafter, greedy and seeded sampling -----------------------
+
+DRAFTERS = {
+    "none": dict(drafter="none"),
+    "lookup": dict(drafter="lookup", controller="fixed:4"),
+    "eesd": dict(drafter="eesd", controller="pmin:0.2"),
+    "draft-model": dict(drafter="draft-model", draft_model=QWEN05, controller="fixed:3"),
+    "hierarchical": dict(drafter="hierarchical", controller="fixed:3"),
+}
+MESSAGES = [
+    [{"role": "user", "content": "Rewrite this without the loop: total = 0\nfor x in xs:\n    total = total + x\nprint(total)"}],
+    [{"role": "user", "content": "Write a Python function that reverses a string."}],
+]
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_native_equals_python_on_the_demo_model(name, monkeypatch):
+    with eesd_local.load(QWEN05, n_ctx=1024, **DRAFTERS[name]) as eng:
+        prompts = [eng.tokenize(eng.apply_chat_template(m)) for m in MESSAGES]
+        drafted = _same_both_ways(eng, prompts[0], monkeypatch, max_tokens=20)
+        drafted += _same_both_ways(eng, prompts[1], monkeypatch, max_tokens=12, temperature=0.8, top_p=0.95, seed=7)
+        drafted += _same_both_ways(eng, prompts[0], monkeypatch, max_tokens=12, temperature=1.0, top_k=40, seed=3)
+    assert name == "none" or drafted > 0, "nothing was drafted: the test would not test the drafter"
+
+
+def test_probs_agree_with_numpy(qwen05_path):
+    """Same filters, same tie rule; exp and sums may differ in the last bit (numpy's SIMD exp)."""
+    from eesd_local.runtime import Context, ContextParams, Model
+
+    model = Model(qwen05_path)
+    ctx = Context(model, ContextParams(n_ctx=128))
+    ctx.decode(model.tokenize("def fibonacci(n):\n    "))
+    row = ctx.logits().copy()
+    ctx.close()
+    model.close()
+    for t, k, p in [(1.0, 0, 1.0), (0.7, 40, 1.0), (0.9, 0, 0.9), (1.0, 50, 0.8), (0.3, 0, 0.95)]:
+        a = probs(row, SamplingParams(temperature=t, top_k=k, top_p=p))
+        b = _native.probs(row, t, k, p)
+        assert np.array_equal(a > 0, b > 0)  # the same support
+        np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-300)
+
+
+def test_token_rng_is_splitmix64():
+    rng = TokenRNG(1234567)  # the reference outputs of splitmix64 from this seed
+    for z in (6457827717110365317, 3203168211198807973, 9817491932198370423):
+        assert rng.random() == (z >> 11) * 2.0**-53
+    assert TokenRNG(5).random() == TokenRNG(5).random()
+
+
+# --- the tiny synthetic GGUF: mechanics ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    return str(write_tiny_gguf(d / "tiny.gguf", seed=0)), str(write_tiny_gguf(d / "draft.gguf", seed=0, n_layer=1))
+
+
+TINY_PROMPT = list(range(300, 340)) * 3
+
+
+@pytest.mark.parametrize("drafter", ["none", "lookup", "self", "draft-model", "hierarchical"])
+def test_tiny_native_equals_python(tiny, drafter, monkeypatch):
+    target, draft = tiny
+    kind = {"self": "draft-model"}.get(drafter, drafter)
+    extra = {"self": dict(draft_model=target), "draft-model": dict(draft_model=draft),
+             "hierarchical": dict(draft_model=draft)}.get(drafter, {})
+    with eesd_local.load(target, drafter=kind, n_ctx=2048, controller="fixed:4", **extra) as eng:
+        for kw in (dict(), dict(temperature=0.9, seed=3), dict(temperature=0.7, top_k=20, top_p=0.9, seed=4)):
+            _same_both_ways(eng, TINY_PROMPT, monkeypatch, max_tokens=120, **kw)
+        if drafter == "self":  # p == q: every draft is accepted, greedy and sampled alike
+            monkeypatch.setenv("EESD_NATIVE", "1")
+            for kw in (dict(), dict(temperature=0.9, seed=1)):
+                s = eng.run(TINY_PROMPT, max_tokens=60, **kw).stats
+                assert s.n_drafted > 0 and s.n_accepted == s.n_drafted
+
+
+def test_kv_records_stay_consistent(tiny, monkeypatch):
+    import llama_cpp as lc
+
+    target, draft = tiny
+    monkeypatch.setenv("EESD_NATIVE", "1")
+    with eesd_local.load(target, drafter="hierarchical", draft_model=draft, n_ctx=2048, controller="fixed:4") as eng:
+        gen = eng.generate(TINY_PROMPT, max_tokens=100)
+        for ev in gen:
+            if isinstance(ev, RoundEvent) and ev.index == 5:
+                break
+        gen.close()  # cancel mid-answer: the records move back and the rollback runs
+        for ctx in (eng.ctx, eng.drafter.inner.ctx):
+            assert int(lc.llama_memory_seq_pos_max(ctx.mem, 0)) + 1 == ctx.n_past
+        fin = eng.run(TINY_PROMPT, max_tokens=50)
+        assert fin.stats.n_generated == 50
+        assert eng.ctx.tokens[: len(TINY_PROMPT)] == TINY_PROMPT
+        assert int(lc.llama_memory_seq_pos_max(eng.ctx.mem, 0)) + 1 == eng.ctx.n_past
+
+
+def test_fallback_and_notice(tiny, monkeypatch):
+    target, _ = tiny
+    with eesd_local.load(target, drafter="lookup", n_ctx=512) as eng:
+        monkeypatch.setenv("EESD_NATIVE", "0")
+        eng.run(TINY_PROMPT, max_tokens=4)
+        assert eng.loop_note == "round loop: Python (EESD_NATIVE=0)"
+        monkeypatch.delenv("EESD_NATIVE")
+        monkeypatch.setattr(native_round, "_load", lambda: (None, "no module named eesd_local._native"))
+        fin = eng.run(TINY_PROMPT, max_tokens=4)
+        assert fin.stats.n_generated == 4
+        assert "native extension unavailable: no module named" in eng.loop_note
+
+
+def test_bad_input_raises_never_crashes(tiny, monkeypatch):
+    from eesd_local.controllers.cfuncs import addresses
+
+    target, _ = tiny
+    monkeypatch.setenv("EESD_NATIVE", "1")
+    with eesd_local.load(target, drafter="none", n_ctx=512) as eng:
+        eng.run(TINY_PROMPT, max_tokens=2)
+        rounds = _native.Rounds(int(eng.ctx.ptr), 4, 0, 0, *addresses())
+        rounds.set_tokens(0, eng.ctx.tokens)
+        rounds.set_history(TINY_PROMPT)
+        state = eng.controller.state
+        with pytest.raises(ValueError, match="does not fit the target's batch of 4"):
+            rounds.run(state, len(TINY_PROMPT), 8, 0, [], 0.0, 0.0, 0, 1.0, 1)
+        with pytest.raises(ValueError, match="history has"):
+            rounds.run(state, 3, 2, 0, [], 0.0, 0.0, 0, 1.0, 1)
+        with pytest.raises(ValueError, match="draft context"):
+            rounds.run(state, len(TINY_PROMPT), 2, 2, [], 0.0, 0.0, 0, 1.0, 1)
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            rounds.run(state, len(TINY_PROMPT), 2, 1, [10**6], 1.0, 0.0, 0, 1.0, 1)
+        rounds.close()
+        with pytest.raises(ValueError, match="closed"):
+            rounds.run(state, len(TINY_PROMPT), 2, 0, [], 0.0, 0.0, 0, 1.0, 1)
+        with pytest.raises(ValueError, match="closed"):
+            _native.Rounds(0, 4, 0, 0, *addresses())
+        eng.ctx.close()  # a closed context: the glue refuses before any pointer is used
+        with pytest.raises(EesdError, match="closed"):
+            native_round.NativeRounds(eng.ctx, eng.drafter, eng.controller, SamplingParams(), TokenRNG(0))
+
+
+def test_context_full_through_the_native_loop(tiny, monkeypatch):
+    target, _ = tiny
+    monkeypatch.setenv("EESD_NATIVE", "1")
+    with eesd_local.load(target, drafter="lookup", n_ctx=256, controller="fixed:4") as eng:
+        n_ctx = eng.ctx.n_ctx
+        fin = eng.run((TINY_PROMPT * 3)[: n_ctx - 20], max_tokens=200)
+        assert fin.reason == "length" and 0 < fin.stats.n_generated <= 21
+
+
+def test_version_mismatch_is_refused_at_import():
+    code = "import llama_cpp; llama_cpp.__version__ = '0.0.1'; import eesd_local._native"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 1
+    assert f"built for llama-cpp-python {_native.LLAMA_CPP_VERSION} but 0.0.1 is installed" in out.stderr
+    assert "ImportError" in out.stderr
+
+
+def test_many_rounds_keep_memory_flat(tiny, monkeypatch):
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1])
+
+    target, _ = tiny
+    monkeypatch.setenv("EESD_NATIVE", "1")
+    with eesd_local.load(target, drafter="draft-model", draft_model=target, n_ctx=1024, controller="fixed:4") as eng:
+        for _ in range(3):
+            eng.run(TINY_PROMPT, max_tokens=300, temperature=0.8, seed=1)
+        before = rss()
+        rounds = 0
+        for i in range(10):
+            rounds += eng.run(TINY_PROMPT, max_tokens=300, temperature=0.8 * (i % 2), seed=i).stats.n_rounds
+        grown_kib = (rss() - before) * 4
+    assert rounds > 500
+    assert grown_kib < 4096, f"RSS grew by {grown_kib} KiB over {rounds} rounds"
