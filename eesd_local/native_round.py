@@ -93,9 +93,10 @@ class NativeRounds:
         draft = self.draft_ctx
         self.rounds = native.Rounds(_open(ctx, "target"), ctx.n_batch, _open(draft, "draft") if draft else 0,
                                     draft.n_batch if draft else 0, *addresses())
-        self.rounds.set_tokens(0, ctx.tokens)
-        if draft is not None:
-            self.rounds.set_tokens(1, draft.tokens)
+        for which, c in enumerate((ctx, draft)):
+            if c is not None:
+                self.rounds.set_tokens(which, c.tokens)
+                self.rounds.limit(which, c.n_ctx)
         self._started = False
         self.t_llama = 0.0  # seconds inside llama_decode, both contexts (for overhead measurements)
 

@@ -166,6 +166,9 @@ class ContextParams:
     n_ctx: int = 4096
     n_batch: int = 512
     n_threads: int | None = None
+    # llama.cpp's default (auto) turns flash attention on where the backend has it; off, the
+    # logits match llama-cpp-python's Llama (which disables it unless asked) bit for bit
+    flash_attn: bool = False
 
 
 class Context:
@@ -179,6 +182,7 @@ class Context:
         cp.n_batch = params.n_batch
         cp.n_ubatch = params.n_batch
         cp.n_seq_max = 1
+        cp.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if params.flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
         threads = params.n_threads or default_threads()
         cp.n_threads = threads
         cp.n_threads_batch = threads
@@ -187,8 +191,10 @@ class Context:
         if not ptr:
             raise EesdError(f"llama.cpp could not create a context of {params.n_ctx} tokens for {model.path.name}", hint="try a smaller --ctx")
         self.ptr = ptr
-        self.n_ctx = int(lc.llama_n_ctx(ptr))
-        self.n_batch = int(lc.llama_n_batch(ptr))  # llama.cpp caps n_batch at the n_ctx asked for
+        # llama.cpp pads the KV size up to a multiple of 256 but caps a batch at the n_ctx asked
+        # for: hold both to what was asked, so chunking never exceeds the real batch
+        self.n_ctx = min(params.n_ctx, int(lc.llama_n_ctx(ptr)))
+        self.n_batch = min(params.n_batch, int(lc.llama_n_batch(ptr)))
         self.mem = lc.llama_get_memory(ptr)
         self.tokens: list[int] = []  # what the KV cache holds, position by position
         self._batch = lc.llama_batch_init(self.n_batch, 0, 1)

@@ -322,6 +322,8 @@ class Rounds {
     }
 
     void set_tokens(int which, std::vector<llama_token> toks) { side(which).tokens = std::move(toks); }
+    // llama.cpp pads the KV size; the engine holds a context to the n_ctx it asked for
+    void limit(int which, int n_ctx) { side(which).n_ctx = std::min(side(which).n_ctx, n_ctx); }
     std::vector<llama_token> tokens(int which) { return side(which).tokens; }
     void set_history(std::vector<llama_token> h) { history_ = std::move(h); }
     int room() { return open_target().room(); }
@@ -559,6 +561,7 @@ PYBIND11_MODULE(_native, m) {
              py::arg("target_batch"), py::arg("draft"), py::arg("draft_batch"), py::arg("begin"), py::arg("decide"),
              py::arg("update"))
         .def("set_tokens", &Rounds::set_tokens, py::arg("which"), py::arg("tokens"), "Record what a KV cache holds (0 target, 1 draft).")
+        .def("limit", &Rounds::limit, py::arg("which"), py::arg("n_ctx"), "Hold a context to fewer positions than its KV size.")
         .def("tokens", &Rounds::tokens, py::arg("which"), "What a KV cache holds, position by position.")
         .def("set_history", &Rounds::set_history, py::arg("history"), "The emitted history the next round continues.")
         .def("room", &Rounds::room, "How many more tokens fit into the target context.")

@@ -94,7 +94,8 @@ def test_method_specs():
     assert specs[2] == MethodSpec("eesd-fixed:4", "eesd", "fixed:4")
     assert specs[3].is_peer and specs[3].peer_lookup == 3 and specs[4].peer_lookup == 0
     assert parse_methods("lookup")[0].name == "none"  # the baseline is always measured
-    for bad in ("eesd-fixed:0", "warp-drive", "lookup,lookup"):
+    assert parse_methods("eesd@calibration-ts")[1] == MethodSpec("eesd@calibration-ts", "eesd", "calibration-ts")
+    for bad in ("eesd-fixed:0", "warp-drive", "lookup,lookup", "eesd@warp", "none@beta-ts"):
         with pytest.raises(EesdError):
             parse_methods(bad)
 

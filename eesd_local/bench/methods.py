@@ -22,8 +22,8 @@ from ..events import FinishEvent, TokenEvent
 PEER = "llama-cpp-python"
 PEER_LOOKUP = "llama-cpp-python-lookup"
 ENGINE_DRAFTERS = ("none", "eesd", "lookup", "draft-model", "hierarchical")
-METHOD_HELP = ("none, eesd, eesd-fixed:K, lookup, draft-model, hierarchical (any drafter takes -fixed:K), "
-               f"{PEER}, {PEER_LOOKUP}[:N]")
+METHOD_HELP = ("none, eesd, eesd-fixed:K, lookup, draft-model, hierarchical (any drafter takes -fixed:K, or "
+               f"@CONTROLLER as in eesd@beta-ts), {PEER}, {PEER_LOOKUP}[:N]")
 # separate draft models of the same vocabulary, by target registry name
 DEFAULT_DRAFT_MODELS = {"qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-0.5b-instruct"}
 
@@ -59,6 +59,12 @@ def parse_methods(text: str, controller: str | None = None) -> list[MethodSpec]:
 def _parse_one(name: str, controller: str | None) -> MethodSpec:
     if name in ENGINE_DRAFTERS:
         return MethodSpec(name, name, None if name == "none" else controller)
+    drafter, at, ctl = name.partition("@")
+    if at and drafter in ENGINE_DRAFTERS and drafter != "none":
+        from ..controllers import make_controller
+
+        make_controller(ctl)  # a bad spec fails here, before any model loads
+        return MethodSpec(name, drafter, ctl)
     m = re.fullmatch(r"(eesd|lookup|draft-model|hierarchical)-fixed:(\d+)", name)
     if m:
         if int(m.group(2)) < 1:
