@@ -1,8 +1,8 @@
 """Glue between the engine and the native round loop (``eesd_local._native``).
 
 The extension runs a whole round in C++: the controller's decisions (the same Numba
-kernels, as C function pointers), drafting with the draft context or taking lookup
-proposals computed here, the ONE batched verify, greedy or speculative-sampling
+kernels, as C function pointers), drafting with the draft context or from the lookup
+drafter's n-gram search (run in C++ with the drafter's n-gram sizes), the ONE batched verify, greedy or speculative-sampling
 acceptance, and the KV trims of both contexts. It keeps its own record of what each
 KV cache holds for the length of a generation: the record moves in when the rounds
 start and back into the Python contexts on :meth:`NativeRounds.close`.
@@ -97,6 +97,8 @@ class NativeRounds:
             if c is not None:
                 self.rounds.set_tokens(which, c.tokens)
                 self.rounds.limit(which, c.n_ctx)
+        if self.lookup is not None:  # the n-gram search runs in C++, on the history the extension holds
+            self.rounds.set_lookup(self.lookup.ngram_min, self.lookup.ngram_max)
         self._started = False
         self.t_llama = 0.0  # seconds inside llama_decode, both contexts (for overhead measurements)
 
@@ -110,15 +112,10 @@ class NativeRounds:
         _open(self.ctx, "target")
         if self.draft_ctx is not None:
             _open(self.draft_ctx, "draft")
-        cands: list[int] = []
-        conf = 0.0
-        if self.lookup is not None:
-            cands, n = self.lookup.lookup(history, max(0, max_n))
-            conf = n / self.lookup.ngram_max  # a longer matched n-gram is a safer bet
         p = self.params
         try:
             drafted, m, nxt, t_draft, t_verify, t_llama, self.rng.state = self.rounds.run(
-                self.ctl.state, len(history), max_n, self.mode, cands, conf, p.temperature, p.top_k, p.top_p, self.rng.state)
+                self.ctl.state, len(history), max_n, self.mode, [], 0.0, p.temperature, p.top_k, p.top_p, self.rng.state)
         except self._native.ContextFull as exc:
             raise ContextFullError(str(exc), hint="start a new conversation or pass a larger --ctx") from None
         self.t_llama += t_llama

@@ -14,11 +14,13 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 #if defined(__SSE2__)
-#include <emmintrin.h>
+#include <immintrin.h>
 #endif
 
 namespace py = pybind11;
@@ -38,6 +40,72 @@ double now_s() {
     return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+// Speculative sampling works on distributions over the whole vocabulary (152k tokens for
+// Qwen2.5): everything below is written for one pass over the float logit row, with loops
+// that GCC vectorises (no libm call in them), no full-vocabulary copies, and buffers reused
+// from round to round. The results agree with sampling.py to a few ulp, not to the bit
+// (numpy's exp is a SIMD routine of its own); tokens agree unless a uniform draw falls within
+// ~1e-15 of a boundary of the inverse CDF.
+
+constexpr double EXP_MIN = -708.0;  // exp_fast's domain is [EXP_MIN, 0]: 2^k stays a normal double
+
+// exp(x) for EXP_MIN <= x <= 0 without a branch or a call, so that loops over it vectorise:
+// x = k ln2 + r with k = round(x / ln2) and |r| <= ln2/2 (ln2 split Cody-Waite style: ln2_hi has
+// 32 significant bits, so k * ln2_hi is exact); exp(r) by its Taylor series to degree 13
+// (truncation r^14/14! < 5e-18); 2^k written straight into the exponent bits. About 1-2 ulp.
+inline double exp_fast(double x) {
+    constexpr double log2e = 1.4426950408889634;
+    constexpr double ln2_hi = 6.93147180369123816490e-01;
+    constexpr double ln2_lo = 1.90821492927058770002e-10;
+    constexpr double shift = 0x1.8p52;  // x / ln2 + shift rounds to an integer held in the low mantissa bits
+    double kd = x * log2e + shift;
+    uint64_t ki;
+    std::memcpy(&ki, &kd, sizeof ki);
+    kd -= shift;
+    double r = (x - kd * ln2_hi) - kd * ln2_lo;
+    double p = 1.0 / 6227020800.0;  // 1/13!
+    p = p * r + 1.0 / 479001600.0;
+    p = p * r + 1.0 / 39916800.0;
+    p = p * r + 1.0 / 3628800.0;
+    p = p * r + 1.0 / 362880.0;
+    p = p * r + 1.0 / 40320.0;
+    p = p * r + 1.0 / 5040.0;
+    p = p * r + 1.0 / 720.0;
+    p = p * r + 1.0 / 120.0;
+    p = p * r + 1.0 / 24.0;
+    p = p * r + 1.0 / 6.0;
+    p = p * r + 0.5;
+    p = p * r + 1.0;
+    p = p * r + 1.0;
+    uint64_t sbits = (ki + 1023) << 52;  // the low bits of ki are k (two's complement): 2^k
+    double scale;
+    std::memcpy(&scale, &sbits, sizeof scale);
+    return p * scale;
+}
+
+// exp(x) for any x <= 0: the fast path, or libm below its domain (subnormals, zero)
+inline double exp_neg(double x) { return x >= EXP_MIN ? exp_fast(x) : std::exp(x); }
+
+// sum_i exp(row[i] - m) over the row, m >= every row[i]. Terms below exp(EXP_MIN) ~ 3e-308
+// are left out: the sum holds exp(0) = 1, so they cannot change it.
+double sum_exp(const float* row, int n, double m) {
+    double s = 0.0;
+#pragma omp simd reduction(+ : s)
+    for (int i = 0; i < n; i++) {
+        double z = static_cast<double>(row[i]) - m;
+        double e = exp_fast(std::max(z, EXP_MIN));
+        s += z >= EXP_MIN ? e : 0.0;
+    }
+    return s;
+}
+
+float max_of(const float* row, int n) {
+    float m = row[0];
+#pragma omp simd reduction(max : m)
+    for (int i = 0; i < n; i++) m = std::max(m, row[i]);
+    return m;
+}
+
 // splitmix64 (Steele, Lea, Flood), bit-identical to eesd_local.sampling.TokenRNG:
 // uniform = (z >> 11) * 2**-53, so every double in [0, 1) on the 2**-53 grid
 struct TokenRng {
@@ -52,28 +120,6 @@ struct TokenRng {
     }
 };
 
-// numpy's pairwise summation of a contiguous float64 array (np.sum), so sums agree to the bit
-double pairwise_sum(const double* a, size_t n) {
-    if (n < 8) {
-        double res = 0.0;
-        for (size_t i = 0; i < n; i++) res += a[i];
-        return res;
-    }
-    if (n <= 128) {
-        double r[8];
-        for (int j = 0; j < 8; j++) r[j] = a[j];
-        size_t i = 8;
-        for (; i < n - (n % 8); i += 8)
-            for (int j = 0; j < 8; j++) r[j] += a[i + j];
-        double res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
-        for (; i < n; i++) res += a[i];
-        return res;
-    }
-    size_t n2 = n / 2;
-    n2 -= n2 % 8;
-    return pairwise_sum(a, n2) + pairwise_sum(a + n2, n - n2);
-}
-
 struct Sampling {
     bool greedy;
     double temperature;  // 0: greedy
@@ -83,118 +129,267 @@ struct Sampling {
 
 constexpr int TOP_P_CANDIDATES = 2048;  // as sampling._TOP_P_CANDIDATES
 
-// Processing of logits into p, exactly as eesd_local.sampling.probs.
+// A distribution over the vocabulary, as sampling.probs returns it: v[i] = p(i), zero outside
+// the support. The support is either everything (all) or the index-sorted list sup: then only
+// those entries were written, and the next compute zeroes just them again.
+struct Dist {
+    std::vector<double> v;
+    std::vector<int> sup;
+    bool all = true;
+
+    double operator[](int i) const { return v[i]; }
+    int size() const { return all ? static_cast<int>(v.size()) : static_cast<int>(sup.size()); }
+    int at(int j) const { return all ? j : sup[j]; }  // the j-th token of the support, by index
+};
+
+// Processing of logits into p: top-k, top-p (on the logits at temperature 1), temperature,
+// in the order and with the tie rules of eesd_local.sampling.probs.
 struct Probs {
-    std::vector<double> x, tmp, mass;
-    std::vector<int> keep, cand, order;
+    std::vector<int> idx, keep, cand, order;
+    std::vector<float> vals;
 
-    // the k largest of x; at the boundary value the lowest indices win (sampling._top_indices)
-    void top_indices(int n, int k, std::vector<int>& out) {
-        tmp.assign(x.begin(), x.begin() + n);
-        std::nth_element(tmp.begin(), tmp.begin() + (n - k), tmp.end());
-        double thr = tmp[n - k];
+    // order of _top_p: larger logit first, among equal logits the lower index
+    static bool before(const float* row, int a, int b) { return row[a] > row[b] || (row[a] == row[b] && a < b); }
+
+    // indices (sorted) of the k largest logits, 0 < k < n; at the k-th value the lowest indices
+    // win (sampling._top_indices). Only the values >= a threshold t go through nth_element: t is
+    // read off a strided sample so that about 2k values pass, and checked (count >= k) before use.
+    void top_indices(const float* row, int n, int k, std::vector<int>& out) {
+        float t = -INFINITY;
+        if (n >= 8192 && k <= n / 16) {
+            constexpr int S = 2048;
+            int stride = n / S;
+            vals.resize(S);
+            for (int s = 0; s < S; s++) vals[s] = row[static_cast<size_t>(s) * stride];
+            int r = std::min(S - 1, static_cast<int>(2 * static_cast<int64_t>(k) * S / n) + 16);  // descending rank
+            std::nth_element(vals.begin(), vals.begin() + r, vals.end(), std::greater<float>());
+            t = vals[r];
+        }
+        int c = collect_at_least(row, n, t);
+        if (c < k) c = collect_at_least(row, n, -INFINITY);
+        vals.resize(c);
+        for (int j = 0; j < c; j++) vals[j] = row[idx[j]];
+        std::nth_element(vals.begin(), vals.begin() + (c - k), vals.end());
+        float thr = vals[c - k];  // the k-th largest logit
+        int above = 0;
+        for (int j = 0; j < c; j++) above += row[idx[j]] > thr;
+        int ties = k - above;
         out.clear();
-        for (int i = 0; i < n; i++)
-            if (x[i] > thr) out.push_back(i);
-        int need = k - static_cast<int>(out.size());
-        for (int i = 0; i < n && need > 0; i++)
-            if (x[i] == thr) out.push_back(i), need--;
+        for (int j = 0; j < c; j++) {
+            int i = idx[j];
+            if (row[i] > thr || (row[i] == thr && ties-- > 0)) out.push_back(i);
+        }
     }
 
-    // smallest set by descending logit (ties: lower index) whose softmax mass reaches top_p
-    void top_p_set(int n, const std::vector<int>* candidates, double top_p, std::vector<int>& out) {
-        double m = *std::max_element(x.begin(), x.begin() + n);
-        tmp.resize(n);
-        for (int i = 0; i < n; i++) tmp[i] = std::exp(x[i] - m);
-        double total = pairwise_sum(tmp.data(), n);
-        order.clear();
-        if (candidates) {
-            order = *candidates;
-            std::sort(order.begin(), order.end());
-        } else {
-            for (int i = 0; i < n; i++) order.push_back(i);
-        }
-        std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return -x[a] < -x[b]; });
-        // np.cumsum is sequential; searchsorted (left) finds the first mass >= top_p
-        double acc = 0.0;
-        size_t cut = order.size() + 1;
-        for (size_t i = 0; i < order.size(); i++) {
-            acc += std::exp(x[order[i]] - m);
-            if (acc / total >= top_p) {
-                cut = i + 1;
-                break;
+    // idx[0..c) = the indices i (ascending) with row[i] >= t; returns c
+    int collect_at_least(const float* row, int n, float t) {
+        idx.resize(static_cast<size_t>(n) + 16);  // compressed stores write whole vectors
+        int c = 0, i = 0;
+#if defined(__AVX512F__)
+        const __m512 tv = _mm512_set1_ps(t);
+        __m512i iv = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i step = _mm512_set1_epi32(16);
+        for (; i + 16 <= n; i += 16) {
+            __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + i), tv, _CMP_GE_OQ);
+            if (hit) {  // compress in a register, store whole: fast on every AVX-512 core
+                _mm512_storeu_si512(idx.data() + c, _mm512_maskz_compress_epi32(hit, iv));
+                c += __builtin_popcount(hit);
             }
+            iv = _mm512_add_epi32(iv, step);
         }
-        if (cut > order.size()) {  // the candidates do not hold top_p of the mass: use everything
-            if (candidates) return top_p_set(n, nullptr, top_p, out);
-            out = order;
-            return;
+#endif
+        for (; i < n; i++) {
+            idx[c] = i;
+            c += row[i] >= t;
         }
-        out.assign(order.begin(), order.begin() + cut);
+        return c;
     }
 
-    void compute(const float* logits, int n, const Sampling& sp, std::vector<double>& out) {
-        x.resize(n);
-        for (int i = 0; i < n; i++) x[i] = static_cast<double>(logits[i]);
+    // the smallest set, in the order of before(), whose softmax mass (temperature 1) reaches
+    // top_p, out of cands (nullptr: everything); returns false when cands do not hold top_p
+    // of the mass. The order is built a chunk at a time (partial_sort), as far as the cut.
+    bool top_p_set(const float* row, int n, const std::vector<int>* cands, double top_p, double m, double total,
+                   std::vector<int>& out) {
+        if (cands) {
+            order = *cands;
+        } else {
+            order.resize(n);
+            for (int i = 0; i < n; i++) order[i] = i;
+        }
+        auto cmp = [row](int a, int b) { return before(row, a, b); };
+        int c = static_cast<int>(order.size()), lo = 0, chunk = 32;
+        double acc = 0.0;  // np.cumsum is sequential; searchsorted (left) finds the first mass >= top_p
+        while (lo < c) {
+            int hi = std::min(c, lo + chunk);
+            std::partial_sort(order.begin() + lo, order.begin() + hi, order.end(), cmp);
+            for (int j = lo; j < hi; j++) {
+                acc += exp_neg(static_cast<double>(row[order[j]]) - m);
+                if (acc / total >= top_p) {
+                    out.assign(order.begin(), order.begin() + j + 1);
+                    return true;
+                }
+            }
+            lo = hi;
+            chunk *= 4;
+        }
+        return false;
+    }
+
+    void compute(const float* row, int n, const Sampling& sp, Dist& out) {
         bool all = true;
         if (sp.top_k > 0 && sp.top_k < n) {
-            top_indices(n, sp.top_k, keep);
+            top_indices(row, n, sp.top_k, keep);
             all = false;
         }
         if (sp.top_p < 1.0) {
-            const std::vector<int>* c = nullptr;
+            double m = max_of(row, n);
+            double total = sum_exp(row, n, m);  // the full softmax denominator at temperature 1
+            const std::vector<int>* cands = nullptr;
+            std::vector<int>& top = cand;
             if (!all) {
-                cand = keep;
-                c = &cand;
+                top.swap(keep);
+                cands = &top;
             } else if (n > TOP_P_CANDIDATES) {
-                top_indices(n, TOP_P_CANDIDATES, cand);
-                c = &cand;
+                top_indices(row, n, TOP_P_CANDIDATES, top);
+                cands = &top;
             }
-            top_p_set(n, c, sp.top_p, keep);
-            all = false;
+            if (top_p_set(row, n, cands, sp.top_p, m, total, keep)) {
+                std::sort(keep.begin(), keep.end());
+                all = false;
+            } else if (cands && top_p_set(row, n, nullptr, sp.top_p, m, total, keep)) {
+                std::sort(keep.begin(), keep.end());
+                all = false;
+            } else {
+                all = true;  // nothing short of the whole vocabulary holds top_p of the mass
+            }
         }
-        double t = sp.temperature > 0 ? sp.temperature : 1.0;
-        out.assign(n, 0.0);
-        if (all) {
-            double m = *std::max_element(x.begin(), x.end());
-            for (int i = 0; i < n; i++) out[i] = std::exp((x[i] - m) / t);
-        } else {
+        fill(row, n, sp.temperature > 0 ? sp.temperature : 1.0, all, out);
+    }
+
+    // p = exp((x - max) / t) / sum over the support (all, or keep)
+    void fill(const float* row, int n, double t, bool all, Dist& out) {
+        double inv_t = 1.0 / t;
+        if (!all) {
+            if (out.all || out.v.size() != static_cast<size_t>(n)) {
+                out.v.assign(n, 0.0);
+            } else {
+                for (int i : out.sup) out.v[i] = 0.0;
+            }
+            out.all = false;
+            out.sup.swap(keep);
             double m = -INFINITY;
-            for (int i : keep) m = std::max(m, x[i]);
-            for (int i : keep) out[i] = std::exp((x[i] - m) / t);
+            for (int i : out.sup) m = std::max(m, static_cast<double>(row[i]));
+            double s = 0.0;
+            for (int i : out.sup) s += out.v[i] = exp_neg((static_cast<double>(row[i]) - m) * inv_t);
+            double inv_s = 1.0 / s;
+            for (int i : out.sup) out.v[i] *= inv_s;
+            return;
         }
-        double s = pairwise_sum(out.data(), n);
-        for (int i = 0; i < n; i++) out[i] /= s;
+        out.all = true;
+        out.sup.clear();
+        out.v.resize(n);
+        double* v = out.v.data();
+        double m = max_of(row, n), s = 0.0;
+        int low = 0;
+#pragma omp simd reduction(+ : s, low)
+        for (int i = 0; i < n; i++) {
+            double z = (static_cast<double>(row[i]) - m) * inv_t;
+            low += z < EXP_MIN;
+            double e = exp_fast(std::max(z, EXP_MIN));
+            v[i] = e;
+            s += z >= EXP_MIN ? e : 0.0;
+        }
+        if (low) {  // below exp_fast's domain: subnormal or zero, as numpy has them
+            for (int i = 0; i < n; i++) {
+                double z = (static_cast<double>(row[i]) - m) * inv_t;
+                if (z < EXP_MIN) v[i] = std::exp(z);
+            }
+        }
+        double inv_s = 1.0 / s;
+#pragma omp simd
+        for (int i = 0; i < n; i++) v[i] *= inv_s;
     }
 };
 
-// inverse CDF over the support of p, as sampling.sample
-int sample(const std::vector<double>& p, TokenRng& rng, std::vector<double>& cdf, std::vector<int>& idx) {
-    cdf.clear();
-    idx.clear();
-    double acc = 0.0;
-    for (size_t i = 0; i < p.size(); i++) {
-        if (p[i] != 0.0) {
-            acc += p[i];
-            cdf.push_back(acc);
-            idx.push_back(static_cast<int>(i));
+// Inverse CDF over the support of the weights w (the support of d, with token skip's weight
+// taken as 0), as sampling.sample on w / sum(w): the first token whose cumulative weight
+// exceeds u * total (searchsorted side="right"). Large supports are walked in blocks: block
+// sums first (vectorised), then token by token inside the block where the CDF crosses u * total.
+// Returns -1 when all the weight is zero.
+int sample(const Dist& d, const double* w, int skip, TokenRng& rng, std::vector<double>& blocks) {
+    constexpr int B = 256;
+    int len = d.size();
+    auto weight = [&](int j) {
+        int i = d.at(j);
+        return i == skip ? 0.0 : w[i];
+    };
+    double total = 0.0;
+    if (!d.all) {
+        for (int j = 0; j < len; j++) total += weight(j);
+    } else {
+        blocks.resize((len + B - 1) / B);
+        for (int b = 0; b * B < len; b++) {
+            int e = std::min(len, (b + 1) * B);
+            double s = 0.0;
+#pragma omp simd reduction(+ : s)
+            for (int i = b * B; i < e; i++) s += w[i];
+            if (skip >= b * B && skip < e) s -= w[skip];
+            blocks[b] = s;
+            total += s;
         }
     }
-    double u = rng.random() * cdf.back();
-    size_t i = std::upper_bound(cdf.begin(), cdf.end(), u) - cdf.begin();  // searchsorted side="right"
-    return idx[std::min(i, idx.size() - 1)];
-}
-
-// p / sum(p), the normalisation numpy does before sampling a residual
-void normalise(std::vector<double>& p) {
-    double s = pairwise_sum(p.data(), p.size());
-    for (double& v : p) v /= s;
+    if (!(total > 0.0)) return -1;
+    double u = rng.random() * total;
+    double acc = 0.0;
+    int j = 0;
+    if (d.all) {
+        for (size_t b = 0; b < blocks.size() && acc + blocks[b] <= u; b++, j += B) acc += blocks[b];
+    }
+    int last = -1;
+    for (; j < len; j++) {
+        double x = weight(j);
+        if (x == 0.0) continue;
+        last = d.at(j);
+        acc += x;
+        if (acc > u) return last;
+    }
+    if (last < 0)  // the block sums rounded past every token after u: take the last one with weight
+        for (j = len - 1; j >= 0 && last < 0; j--)
+            if (weight(j) != 0.0) last = d.at(j);
+    return last;
 }
 
 // first index of the largest logit, as np.argmax: a vectorised max, then a scan for it
 int argmax(const float* row, int n) {
     float best = row[0];
     int i = 0;
+#if defined(__AVX512F__)
+    // one pass: each of the 16 lanes keeps its largest value and the first index holding it
+    // (strict >); the answer is the smallest index among the lanes holding the overall max
+    if (n >= 16) {
+        __m512 bv = _mm512_loadu_ps(row);
+        __m512i iv = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), bi = iv;
+        const __m512i step = _mm512_set1_epi32(16);
+        for (i = 16; i + 16 <= n; i += 16) {
+            iv = _mm512_add_epi32(iv, step);
+            __m512 v = _mm512_loadu_ps(row + i);
+            __mmask16 gt = _mm512_cmp_ps_mask(v, bv, _CMP_GT_OQ);
+            bv = _mm512_mask_mov_ps(bv, gt, v);
+            bi = _mm512_mask_mov_epi32(bi, gt, iv);
+        }
+        alignas(64) float vals[16];
+        alignas(64) int idxs[16];
+        _mm512_store_ps(vals, bv);
+        _mm512_store_si512(idxs, bi);
+        int at = idxs[0];
+        best = vals[0];
+        for (int l = 1; l < 16; l++)
+            if (vals[l] > best || (vals[l] == best && idxs[l] < at)) best = vals[l], at = idxs[l];
+        for (; i < n; i++)
+            if (row[i] > best) best = row[i], at = i;
+        return at;
+    }
+#endif
 #if defined(__SSE2__)
     if (n >= 16) {
         __m128 m0 = _mm_loadu_ps(row), m1 = m0, m2 = m0, m3 = m0;
@@ -327,6 +522,14 @@ class Rounds {
     std::vector<llama_token> tokens(int which) { return side(which).tokens; }
     void set_history(std::vector<llama_token> h) { history_ = std::move(h); }
     int room() { return open_target().room(); }
+    // run LookupDrafter.lookup in C++ from now on, on the history this loop holds (0, 0: off,
+    // the proposals come from Python)
+    void set_lookup(int ngram_min, int ngram_max) {
+        if (ngram_max < 0 || (ngram_max > 0 && (ngram_min < 1 || ngram_min > ngram_max)))
+            throw py::value_error("lookup n-grams need 1 <= ngram_min <= ngram_max (or 0, 0 to turn it off)");
+        ngram_min_ = ngram_min;
+        ngram_max_ = ngram_max;
+    }
 
     // One round; returns (drafted tokens, accepted m, next token, t_draft, t_verify, t_llama, rng state).
     py::tuple run(StateArray state, size_t n_history, int max_n, int mode, std::vector<llama_token> cands, double cand_conf,
@@ -359,6 +562,10 @@ class Rounds {
             drafted_.clear();
             conf_.clear();
             point_.clear();
+            if (ngram_max_ > 0 && mode != NONE) {  // the lookup drafter runs here rather than in Python
+                int n_match = lookup(std::max(0, max_n), cands);
+                cand_conf = static_cast<double>(n_match) / ngram_max_;  // a longer matched n-gram is a safer bet
+            }
             if (mode == POINT) propose_point(st, n_st, max_n, cands, cand_conf);
             if (mode == MODEL) propose_model(st, n_st, max_n, cands, sp, rng, t_llama);
             double t2 = now_s();
@@ -388,11 +595,12 @@ class Rounds {
     decide_fn decide_;
     update_fn update_;
     std::vector<llama_token> history_, drafted_, batch_, feed_;
-    std::vector<double> conf_, p_, resid_, cdf_;
-    std::vector<std::vector<double>> q_;  // q of each drafted token (sampling with a draft model)
-    std::vector<char> point_;             // 1: the token was proposed deterministically (q = point mass)
-    std::vector<int> idx_;
+    std::vector<double> conf_, resid_, blocks_;
+    Dist p_;
+    std::vector<Dist> q_;      // q of each drafted token (sampling with a draft model)
+    std::vector<char> point_;  // 1: the token was proposed deterministically (q = point mass)
     Probs probs_;
+    int ngram_min_ = 0, ngram_max_ = 0;
 
     Ctx& side(int which) {
         if (which != 0 && which != 1) throw py::value_error("which must be 0 (target) or 1 (draft)");
@@ -411,7 +619,28 @@ class Rounds {
         conf_.push_back(conf);
     }
 
-    // lookup: the proposals arrive from Python; the controller cuts them (LookupDrafter.propose)
+    // LookupDrafter.lookup: out = the tokens (at most max_n) after the latest earlier end e <= len-2
+    // of the longest suffix n-gram, n from ngram_max down to ngram_min; returns n (0: no match).
+    // One backward scan: L(e) = how many tokens ending at e match the suffix (capped at
+    // ngram_max); the first e met with a new largest L is the latest end of that n-gram, which
+    // is the entry Python's index keeps (it overwrites with later ends).
+    int lookup(int max_n, std::vector<llama_token>& out) {
+        out.clear();
+        const llama_token* h = history_.data();
+        int len = static_cast<int>(history_.size());
+        int cap = std::min(ngram_max_, len), best_n = 0, best_e = -1;
+        for (int e = len - 2; e >= 0 && best_n < cap; e--) {
+            int l = 0;
+            while (l < cap && l <= e && h[e - l] == h[len - 1 - l]) l++;
+            if (l > best_n && l >= ngram_min_) best_n = l, best_e = e;
+        }
+        if (best_e < 0) return 0;
+        int end = std::min(len, best_e + 1 + max_n);
+        out.assign(h + best_e + 1, h + end);
+        return best_n;
+    }
+
+    // lookup: the proposals arrive from Python or from lookup(); the controller cuts them (LookupDrafter.propose)
     void propose_point(double* st, int64_t n_st, int max_n, const std::vector<llama_token>& cands, double conf) {
         if (max_n <= 0 || !decide_(st, n_st, 0, 1.0)) return;
         int n = std::min(max_n, static_cast<int>(cands.size()));
@@ -424,31 +653,26 @@ class Rounds {
     // (token, confidence) from a draft logit row; q_[j] is filled when sampling (drafters/model.pick)
     llama_token pick(const float* row, llama_token guess, const Sampling& sp, TokenRng& rng, size_t j, double& conf) {
         int n = dft_.n_vocab;
-        if (sp.greedy) {
+        if (sp.greedy) {  // q is not needed: the confidence q(argmax) = 1 / sum_i exp(row[i] - row[argmax])
             int tok = argmax(row, n);
-            resid_.resize(n);
-            for (int i = 0; i < n; i++) resid_[i] = std::exp(static_cast<double>(row[i]) - static_cast<double>(row[tok]));
-            conf = 1.0 / pairwise_sum(resid_.data(), n);
+            conf = 1.0 / sum_exp(row, n, static_cast<double>(row[tok]));
             return tok;
         }
         if (q_.size() <= j) q_.resize(j + 1);
-        std::vector<double>& q = q_[j];
+        Dist& q = q_[j];
         probs_.compute(row, n, sp, q);
         if (guess >= 0) {
             if (rng.random() < q[guess]) {
                 conf = q[guess];
                 return guess;
             }
-            resid_ = q;
-            resid_[guess] = 0.0;
-            if (pairwise_sum(resid_.data(), n) > 0) {
-                normalise(resid_);
-                int tok = sample(resid_, rng, cdf_, idx_);
+            int tok = sample(q, q.v.data(), guess, rng, blocks_);  // q with the guess removed, if any mass is left
+            if (tok >= 0) {
                 conf = q[tok];
                 return tok;
             }
         }
-        int tok = sample(q, rng, cdf_, idx_);
+        int tok = sample(q, q.v.data(), -1, rng, blocks_);
         conf = q[tok];
         return tok;
     }
@@ -512,22 +736,31 @@ class Rounds {
             if (qd <= 0.0)
                 throw std::domain_error("draft " + std::to_string(d) + " has zero draft probability: the drafter must sample from its q");
             if (rng.random() < std::min(1.0, p_[d] / qd)) continue;  // q(d) <= p(d): always accept
+            int tok;
             if (point_[i]) {
-                resid_ = p_;
-                resid_[d] = 0.0;  // max(0, p - onehot(d))
+                tok = sample(p_, p_.v.data(), d, rng, blocks_);  // max(0, p - onehot(d)): p without d
             } else {
+                // max(0, p - q) is zero wherever p is: only p's support is written and read
                 resid_.resize(n);
-                for (int v = 0; v < n; v++) resid_[v] = std::max(p_[v] - q_[i][v], 0.0);
+                const double* p = p_.v.data();
+                const double* q = q_[i].v.data();
+                double* r = resid_.data();
+                if (p_.all) {
+#pragma omp simd
+                    for (int v = 0; v < n; v++) r[v] = std::max(p[v] - q[v], 0.0);
+                } else {
+                    for (int v : p_.sup) r[v] = std::max(p[v] - q[v], 0.0);
+                }
+                tok = sample(p_, r, -1, rng, blocks_);
             }
-            if (pairwise_sum(resid_.data(), n) <= 0.0) resid_ = p_;  // p == q up to rounding
-            normalise(resid_);
+            if (tok < 0) tok = sample(p_, p_.v.data(), -1, rng, blocks_);  // p == q up to rounding: p itself
             m = i;
-            nxt = sample(resid_, rng, cdf_, idx_);
+            nxt = tok;
             return;
         }
         probs_.compute(tgt_.row(k), n, sp, p_);
         m = k;
-        nxt = sample(p_, rng, cdf_, idx_);
+        nxt = sample(p_, p_.v.data(), -1, rng, blocks_);
     }
 };
 
@@ -536,11 +769,11 @@ py::array_t<double> probs_py(py::array_t<float, py::array::c_style | py::array::
                              double top_p) {
     if (logits.ndim() != 1 || logits.shape(0) < 1) throw py::value_error("logits must be a non-empty 1-d array");
     int n = static_cast<int>(logits.shape(0));
-    std::vector<double> out;
+    Dist out;
     Probs pr;
     pr.compute(logits.data(), n, Sampling{temperature == 0.0, temperature, top_k, top_p}, out);
     py::array_t<double> res(n);
-    std::copy(out.begin(), out.end(), res.mutable_data());
+    std::copy(out.v.begin(), out.v.end(), res.mutable_data());
     return res;
 }
 
@@ -564,6 +797,8 @@ PYBIND11_MODULE(_native, m) {
         .def("limit", &Rounds::limit, py::arg("which"), py::arg("n_ctx"), "Hold a context to fewer positions than its KV size.")
         .def("tokens", &Rounds::tokens, py::arg("which"), "What a KV cache holds, position by position.")
         .def("set_history", &Rounds::set_history, py::arg("history"), "The emitted history the next round continues.")
+        .def("set_lookup", &Rounds::set_lookup, py::arg("ngram_min"), py::arg("ngram_max"),
+             "Run the lookup drafter's n-gram search in C++ (0, 0: take proposals from run()).")
         .def("room", &Rounds::room, "How many more tokens fit into the target context.")
         .def("run", &Rounds::run, py::arg("state"), py::arg("n_history"), py::arg("max_n"), py::arg("mode"), py::arg("cands"),
              py::arg("cand_conf"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("rng_state"),
