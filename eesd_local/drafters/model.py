@@ -1,9 +1,10 @@
 """Drafters that run a llama.cpp model of their own: a separate small model
 (``draft-model``) or the target's first N layers plus a trained exit layer (``eesd``).
 
-The draft context is kept in step lazily: before drafting it is trimmed to its
-common prefix with the history and the tokens it missed are decoded in one batch,
-so rounds where nothing is drafted cost nothing here.
+The draft context takes the prompt with the target's prefill, then is kept in step
+lazily: before drafting it is trimmed to its common prefix with the history and the
+tokens it missed are decoded in one batch, so rounds where nothing is drafted cost
+nothing here.
 """
 
 from __future__ import annotations
@@ -63,7 +64,14 @@ class ModelDrafter:
         self.ctx = Context(self.model, ContextParams(n_ctx=n_ctx, n_threads=n_threads))
 
     def begin(self, prompt: list[int]) -> None:
-        pass  # the context syncs lazily and reuses any common prefix
+        # the prompt (but its last token, which the first draft step feeds) goes in now, as part of
+        # the request's prefill: caught up inside the first round it would count as draft time and
+        # tell the controller that a drafted token costs as much as a whole prompt
+        ctx = self.ctx
+        n0 = min(common_prefix(ctx.tokens, prompt), len(prompt) - 1)
+        ctx.trim(n0)
+        if n0 < len(prompt) - 1:
+            ctx.decode(prompt[n0:-1])
 
     def propose(self, history: list[int], want_more: WantMore, max_n: int, params: SamplingParams,
                 rng: Uniform, guess: Sequence[int] = ()) -> Proposal:
