@@ -17,6 +17,7 @@ from eesd_chat.app import ChatApp, ChatOptions, main, swap_controller, swap_draf
 from eesd_chat.widgets import SpeculationPanel
 from eesd_local import heads
 from eesd_local.engine import load
+from eesd_local.events import TokenEvent
 
 from .conftest import QWEN05
 
@@ -83,9 +84,18 @@ def status(app: ChatApp) -> str:
 # --- pilot tests -----------------------------------------------------------------
 
 
-def test_answer_streams_with_speculation_figures(engine):
+def test_answer_streams_with_speculation_figures(engine, monkeypatch):
     app = make_app(engine)
     seen_live = []
+    generate = engine.generate
+
+    def paced(*args, **kw):  # 20 ms a token: the answer must not end before the pilot looks at it
+        for ev in generate(*args, **kw):
+            if isinstance(ev, TokenEvent):
+                time.sleep(0.02)
+            yield ev
+
+    monkeypatch.setattr(engine, "generate", paced)
 
     async def script(pilot):
         app.query_one("#prompt").value = REWRITE
