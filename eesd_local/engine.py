@@ -59,16 +59,20 @@ class PythonRounds:
         t1 = time.perf_counter()
         prop = self.drafter.propose(history, ctl.draft_more, max_n, params, self.rng)
         t2 = time.perf_counter()
+        k = len(prop)
+        # a probe verifies its drafts without the bonus: [last, d1..d(k-1)], k rows (plain decoding when k = 1)
+        bonus = k == 0 or not _no_bonus(ctl)
+        n_rows = k + 1 if bonus else k
         n_keep = ctx.n_past + 1  # the cache keeps `last` ...
-        ctx.decode([history[-1], *prop.tokens], n_logits=len(prop) + 1)
+        ctx.decode([history[-1], *prop.tokens[: n_rows - 1]], n_logits=n_rows)
         if params.greedy:
-            m, nxt = verify_greedy(np.stack([ctx.logits(i) for i in range(len(prop) + 1)]), prop.tokens)
+            m, nxt = verify_greedy(np.stack([ctx.logits(i) for i in range(n_rows)]), prop.tokens, bonus)
         else:
-            m, nxt = verify_sampled(ctx.logits_rows(), prop.tokens, prop.probs, params, self.rng)
-        ctx.trim(n_keep + m)  # ... and the accepted drafts; the rest is rolled back
+            m, nxt = verify_sampled(ctx.logits_rows(), prop.tokens, prop.probs, params, self.rng, bonus)
+        ctx.trim(n_keep + min(m, n_rows - 1))  # ... and the accepted drafts it decoded; the rest is rolled back
         t3 = time.perf_counter()
         ctl.end_round(np.asarray(prop.confidences, dtype=np.float64), m, t2 - t1, t3 - t2)
-        self.drafter.accept(history + prop.tokens[:m] + [nxt], m)
+        self.drafter.accept(history + prop.tokens[:m] + ([nxt] if nxt >= 0 else []), m)
         return RoundResult(prop.tokens, m, nxt, t2 - t1, t3 - t2)
 
     def close(self) -> None:
@@ -168,12 +172,13 @@ class Engine:
                 round_no += 1
                 r = rounds.run(history, max(0, min(self.config.draft_max, max_tokens - stats.n_generated - 1, room - 1)))
                 k, m = len(r.drafted), r.accepted
-                stats.record_round(k, m)
                 stats.t_draft += r.t_draft
                 stats.t_verify += r.t_verify
                 pending = [(t, "draft") for t in r.drafted[:m]]
-                pending.append((r.next_token, "bonus" if m == k and m > 0 else "target"))
-                yield RoundEvent(round_no, k, m, m + 1, r.t_draft, r.t_verify, _belief(ctl))
+                if r.next_token >= 0:  # -1: a probe whose drafts were all accepted ends on its last draft
+                    pending.append((r.next_token, "bonus" if m == k and m > 0 else "target"))
+                stats.record_round(k, m, len(pending))
+                yield RoundEvent(round_no, k, m, len(pending), r.t_draft, r.t_verify, _belief(ctl))
         finally:
             if rounds is not None:
                 rounds.close()  # the native loop hands its KV records back to the contexts
@@ -269,6 +274,11 @@ class Engine:
 def _hit_stop(text: list[str], stop: list[str]) -> bool:
     tail = "".join(text[-64:])
     return any(s and s in tail for s in stop)
+
+
+def _no_bonus(ctl: Any) -> bool:
+    f = getattr(ctl, "no_bonus", None)
+    return bool(f()) if f is not None else False
 
 
 def _belief(ctl: Any) -> dict[str, float]:

@@ -38,6 +38,7 @@ class Stats:
     n_rounds: int = 0
     n_drafted: int = 0
     n_accepted: int = 0
+    n_emitted: int = 0  # tokens the rounds emitted: accepted + 1 each, except a probe that ends on its draft
     t_prefill: float = 0.0
     t_decode: float = 0.0  # wall time after the prefill until the last token
     t_draft: float = 0.0
@@ -48,8 +49,9 @@ class Stats:
     drafter: str = ""
     controller: str = ""
 
-    def record_round(self, drafted: int, accepted: int) -> None:
+    def record_round(self, drafted: int, accepted: int, emitted: int | None = None) -> None:
         self.n_rounds += 1
+        self.n_emitted += accepted + 1 if emitted is None else emitted
         self.n_drafted += drafted
         self.n_accepted += accepted
         self.draft_lengths.append(drafted)
@@ -71,8 +73,7 @@ class Stats:
     @property
     def tau(self) -> float:
         """Mean tokens emitted per target verification (per round)."""
-        emitted = self.n_accepted + self.n_rounds
-        return emitted / self.n_rounds if self.n_rounds else 0.0
+        return self.n_emitted / self.n_rounds if self.n_rounds else 0.0
 
     @property
     def mean_draft_length(self) -> float:

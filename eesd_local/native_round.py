@@ -31,7 +31,7 @@ NONE, POINT, MODEL = 0, 1, 2  # the extension's drafting modes: nothing, fixed p
 class RoundResult(NamedTuple):
     drafted: list[int]  # d1..dk
     accepted: int  # m: d1..dm were kept
-    next_token: int  # the target's token after them (a correction, or the bonus when m == k > 0)
+    next_token: int  # the target's token after them (a correction, or the bonus when m == k > 0; -1: none, a probe's)
     t_draft: float
     t_verify: float
 
@@ -82,6 +82,7 @@ class NativeRounds:
 
     def __init__(self, ctx: Context, drafter: Any, controller: Any, params: SamplingParams, rng: TokenRNG) -> None:
         from .controllers.cfuncs import addresses
+        from .controllers.layout import NO_BONUS
 
         native, why = _load()
         plan = _plan(drafter)
@@ -92,7 +93,7 @@ class NativeRounds:
         self._native = native
         draft = self.draft_ctx
         self.rounds = native.Rounds(_open(ctx, "target"), ctx.n_batch, _open(draft, "draft") if draft else 0,
-                                    draft.n_batch if draft else 0, *addresses())
+                                    draft.n_batch if draft else 0, *addresses(), no_bonus_slot=NO_BONUS)
         for which, c in enumerate((ctx, draft)):
             if c is not None:
                 self.rounds.set_tokens(which, c.tokens)

@@ -21,7 +21,10 @@ from typing import Any
 import llama_cpp as lc
 import numpy as np
 
+from . import memtune
 from .errors import ContextFullError, EesdError
+
+memtune.tune()  # vocabulary-sized arrays reuse heap pages (see memtune.py)
 
 _backend_lock = threading.Lock()
 _backend_ready = False

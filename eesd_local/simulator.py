@@ -27,7 +27,7 @@ from numba import njit
 
 from .controllers import make_controller
 from .controllers.kernels import controller_begin, controller_decide, controller_update
-from .controllers.layout import MAX_DRAFT
+from .controllers.layout import MAX_DRAFT, NO_BONUS
 from .controllers.rng import beta, normal, seed_words, uniform
 
 IID, DECAY, CONF, SWITCH = 1, 2, 3, 4
@@ -153,13 +153,15 @@ def run_rounds(ctrl, proc, verify, draft_cost, t_token, noise, n_rounds, rng, ou
         n_acc = 0
         while n_acc < k and uniform(rng, 0) < probs[n_acc]:
             n_acc += 1
+        # a probe (no bonus) verifies d1..dk with the batch [last, d1..d(k-1)]: at most k tokens
+        n_verify = k if ctrl[NO_BONUS] != 0.0 and k > 0 else k + 1
         expected = 1.0
         prefix = 1.0
-        for i in range(k):
+        for i in range(n_verify - 1):
             prefix *= probs[i]
             expected += prefix
         t_draft = k * draft_cost * t_token
-        t_verify = verify[k] * t_token
+        t_verify = verify[n_verify - 1] * t_token
         controller_update(ctrl, confs[:k], n_acc, _noisy(t_draft, noise, rng), _noisy(t_verify, noise, rng))
         out[r, 0] = expected
         out[r, 1] = t_draft + t_verify

@@ -99,10 +99,36 @@ double sum_exp(const float* row, int n, double m) {
     return s;
 }
 
+// the largest logit (GCC leaves the `omp simd` max reduction scalar here: explicit vectors)
 float max_of(const float* row, int n) {
     float m = row[0];
-#pragma omp simd reduction(max : m)
-    for (int i = 0; i < n; i++) m = std::max(m, row[i]);
+    int i = 0;
+#if defined(__AVX512F__)
+    if (n >= 64) {
+        __m512 a = _mm512_loadu_ps(row), b = a, c = a, d = a;
+        for (; i + 64 <= n; i += 64) {
+            a = _mm512_max_ps(a, _mm512_loadu_ps(row + i));
+            b = _mm512_max_ps(b, _mm512_loadu_ps(row + i + 16));
+            c = _mm512_max_ps(c, _mm512_loadu_ps(row + i + 32));
+            d = _mm512_max_ps(d, _mm512_loadu_ps(row + i + 48));
+        }
+        m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(a, b), _mm512_max_ps(c, d)));
+    }
+#elif defined(__SSE2__)
+    if (n >= 16) {
+        __m128 a = _mm_loadu_ps(row), b = a, c = a, d = a;
+        for (; i + 16 <= n; i += 16) {
+            a = _mm_max_ps(a, _mm_loadu_ps(row + i));
+            b = _mm_max_ps(b, _mm_loadu_ps(row + i + 4));
+            c = _mm_max_ps(c, _mm_loadu_ps(row + i + 8));
+            d = _mm_max_ps(d, _mm_loadu_ps(row + i + 12));
+        }
+        float lanes[4];
+        _mm_storeu_ps(lanes, _mm_max_ps(_mm_max_ps(a, b), _mm_max_ps(c, d)));
+        m = std::max(std::max(lanes[0], lanes[1]), std::max(lanes[2], lanes[3]));
+    }
+#endif
+    for (; i < n; i++) m = std::max(m, row[i]);
     return m;
 }
 
@@ -127,7 +153,15 @@ struct Sampling {
     double top_p;        // 1: off
 };
 
-constexpr int TOP_P_CANDIDATES = 2048;  // as sampling._TOP_P_CANDIDATES
+// top-p without top-k: logits binned 1/32 nat wide below the largest, the last bin takes the rest
+// (as sampling._TOP_P_BINS, _TOP_P_BINS_PER_NAT)
+constexpr int TOP_P_BINS = 2048;
+constexpr double TOP_P_BINS_PER_NAT = 32.0;
+
+inline int top_p_bin(float x, double m) {
+    double b = (m - static_cast<double>(x)) * TOP_P_BINS_PER_NAT;  // as numpy: float64 maths, then truncation
+    return b < TOP_P_BINS - 1 ? static_cast<int>(b) : TOP_P_BINS - 1;
+}
 
 // A distribution over the vocabulary, as sampling.probs returns it: v[i] = p(i), zero outside
 // the support. The support is either everything (all) or the index-sorted list sup: then only
@@ -145,8 +179,10 @@ struct Dist {
 // Processing of logits into p: top-k, top-p (on the logits at temperature 1), temperature,
 // in the order and with the tie rules of eesd_local.sampling.probs.
 struct Probs {
-    std::vector<int> idx, keep, cand, order;
+    std::vector<int> idx, keep, order;
     std::vector<float> vals;
+    std::vector<double> w_, bins_, dense_;
+    std::vector<int> cbin_;
 
     // order of _top_p: larger logit first, among equal logits the lower index
     static bool before(const float* row, int a, int b) { return row[a] > row[b] || (row[a] == row[b] && a < b); }
@@ -205,34 +241,82 @@ struct Probs {
         return c;
     }
 
-    // the smallest set, in the order of before(), whose softmax mass (temperature 1) reaches
-    // top_p, out of cands (nullptr: everything); returns false when cands do not hold top_p
-    // of the mass. The order is built a chunk at a time (partial_sort), as far as the cut.
-    bool top_p_set(const float* row, int n, const std::vector<int>* cands, double top_p, double m, double total,
-                   std::vector<int>& out) {
-        if (cands) {
-            order = *cands;
-        } else {
-            order.resize(n);
-            for (int i = 0; i < n; i++) order[i] = i;
-        }
+    // sampling._top_p after top-k: the smallest prefix, in the order of before(), of the survivors
+    // (in keep) whose mass in their own softmax (temperature 1) reaches top_p
+    void top_p_of(const float* row, double top_p, std::vector<int>& keep) {
         auto cmp = [row](int a, int b) { return before(row, a, b); };
-        int c = static_cast<int>(order.size()), lo = 0, chunk = 32;
-        double acc = 0.0;  // np.cumsum is sequential; searchsorted (left) finds the first mass >= top_p
-        while (lo < c) {
-            int hi = std::min(c, lo + chunk);
-            std::partial_sort(order.begin() + lo, order.begin() + hi, order.end(), cmp);
-            for (int j = lo; j < hi; j++) {
-                acc += exp_neg(static_cast<double>(row[order[j]]) - m);
-                if (acc / total >= top_p) {
-                    out.assign(order.begin(), order.begin() + j + 1);
-                    return true;
-                }
+        std::sort(keep.begin(), keep.end(), cmp);
+        double m = row[keep[0]], total = 0.0;
+        w_.resize(keep.size());
+        for (size_t j = 0; j < keep.size(); j++) total += w_[j] = exp_neg(static_cast<double>(row[keep[j]]) - m);
+        double need = top_p * total, acc = 0.0;
+        for (size_t j = 0; j < keep.size(); j++) {
+            acc += w_[j];
+            if (acc >= need) {
+                keep.resize(j + 1);
+                return;
             }
-            lo = hi;
-            chunk *= 4;
         }
-        return false;
+    }
+
+    // sampling._top_p over the whole vocabulary: the candidates are the logits within `span` nats
+    // of the largest, for the first span (4, 8, .., 64) whose mass reaches top_p; their mass per
+    // logit bin gives the bin where the cumulative mass crosses top_p, and only that bin is sorted
+    void top_p_all(const float* row, int n, double top_p, std::vector<int>& out) {
+        double m = max_of(row, n), total = 0.0;
+        w_.resize(n);
+        double* w = w_.data();
+#pragma omp simd reduction(+ : total)
+        for (int i = 0; i < n; i++) {
+            double z = static_cast<double>(row[i]) - m;
+            double e = z >= EXP_MIN ? exp_fast(std::max(z, EXP_MIN)) : 0.0;  // below: < 3e-308 of a sum >= 1
+            w[i] = e;
+            total += e;
+        }
+        double need = top_p * total, held = 0.0;
+        int c = 0;
+        for (double span = 4.0;; span *= 2.0) {
+            c = span > 64.0 ? collect_at_least(row, n, -INFINITY) : collect_at_least(row, n, static_cast<float>(m - span));
+            held = 0.0;
+            const int* ix = idx.data();
+#pragma omp simd reduction(+ : held)
+            for (int j = 0; j < c; j++) held += w[ix[j]];
+            if (held >= need || span > 64.0) break;
+        }
+        bins_.assign(TOP_P_BINS, 0.0);
+        cbin_.resize(c);
+        int* cb = cbin_.data();
+        for (int j = 0; j < c; j++) {
+            int i = idx[j];
+            cb[j] = top_p_bin(row[i], m);
+            bins_[cb[j]] += w[i];
+        }
+        double acc = 0.0;
+        int cut = 0;
+        for (; cut < TOP_P_BINS - 1; cut++) {
+            if (acc + bins_[cut] >= need) break;
+            acc += bins_[cut];
+        }
+        out.resize(c);
+        order.clear();
+        int o = 0;
+        int* dst = out.data();
+        const int* ix = idx.data();
+        for (int j = 0; j < c; j++) {
+            if (cb[j] < cut) dst[o++] = ix[j];
+            else if (cb[j] == cut) order.push_back(ix[j]);
+        }
+        out.resize(o);
+        auto cmp = [row](int a, int b) { return before(row, a, b); };
+        std::sort(order.begin(), order.end(), cmp);
+        size_t head = out.size();  // out[0, head) ascends (idx does): merge the crossing bin's share in
+        for (int i : order) {
+            out.push_back(i);
+            acc += w[i];
+            if (acc >= need) break;
+        }
+        std::sort(out.begin() + head, out.end());
+        std::inplace_merge(out.begin(), out.begin() + head, out.end());
     }
 
     void compute(const float* row, int n, const Sampling& sp, Dist& out) {
@@ -242,25 +326,12 @@ struct Probs {
             all = false;
         }
         if (sp.top_p < 1.0) {
-            double m = max_of(row, n);
-            double total = sum_exp(row, n, m);  // the full softmax denominator at temperature 1
-            const std::vector<int>* cands = nullptr;
-            std::vector<int>& top = cand;
-            if (!all) {
-                top.swap(keep);
-                cands = &top;
-            } else if (n > TOP_P_CANDIDATES) {
-                top_indices(row, n, TOP_P_CANDIDATES, top);
-                cands = &top;
-            }
-            if (top_p_set(row, n, cands, sp.top_p, m, total, keep)) {
-                std::sort(keep.begin(), keep.end());
-                all = false;
-            } else if (cands && top_p_set(row, n, nullptr, sp.top_p, m, total, keep)) {
-                std::sort(keep.begin(), keep.end());
+            if (all) {
+                top_p_all(row, n, sp.top_p, keep);  // index order already
                 all = false;
             } else {
-                all = true;  // nothing short of the whole vocabulary holds top_p of the mass
+                top_p_of(row, sp.top_p, keep);
+                std::sort(keep.begin(), keep.end());
             }
         }
         fill(row, n, sp.temperature > 0 ? sp.temperature : 1.0, all, out);
@@ -277,12 +348,32 @@ struct Probs {
             }
             out.all = false;
             out.sup.swap(keep);
+            // gather the support's logits, exp them in one vectorised pass, scatter the result
+            int len = static_cast<int>(out.sup.size());
+            const int* sup = out.sup.data();
+            dense_.resize(len);
+            double* z = dense_.data();
             double m = -INFINITY;
-            for (int i : out.sup) m = std::max(m, static_cast<double>(row[i]));
+            for (int j = 0; j < len; j++) m = std::max(m, z[j] = static_cast<double>(row[sup[j]]));
             double s = 0.0;
-            for (int i : out.sup) s += out.v[i] = exp_neg((static_cast<double>(row[i]) - m) * inv_t);
+            int low = 0;
+#pragma omp simd reduction(+ : s, low)
+            for (int j = 0; j < len; j++) {
+                double x = (z[j] - m) * inv_t;
+                low += x < EXP_MIN;
+                double e = exp_fast(std::max(x, EXP_MIN));
+                z[j] = x >= EXP_MIN ? e : 0.0;
+                s += z[j];
+            }
+            if (low) {  // below exp_fast's domain: subnormal or zero, as numpy has them
+                for (int j = 0; j < len; j++) {
+                    double x = (static_cast<double>(row[sup[j]]) - m) * inv_t;
+                    if (x < EXP_MIN) z[j] = std::exp(x);
+                }
+            }
             double inv_s = 1.0 / s;
-            for (int i : out.sup) out.v[i] *= inv_s;
+            double* v = out.v.data();
+            for (int j = 0; j < len; j++) v[sup[j]] = z[j] * inv_s;
             return;
         }
         out.all = true;
@@ -493,7 +584,8 @@ enum Mode { NONE = 0, POINT = 1, MODEL = 2 };  // no drafter; fixed proposals (l
 class Rounds {
   public:
     Rounds(uintptr_t target, int target_batch, uintptr_t draft, int draft_batch, uintptr_t f_begin,
-           uintptr_t f_decide, uintptr_t f_update) {
+           uintptr_t f_decide, uintptr_t f_update, int no_bonus_slot) {
+        no_bonus_slot_ = no_bonus_slot;
         if (!target) throw py::value_error("the target context is closed (null pointer)");
         if (!f_begin || !f_decide || !f_update) throw py::value_error("the controller kernels are null pointers");
         if (target_batch < 1 || (draft && draft_batch < 1)) throw py::value_error("batch sizes must be >= 1");
@@ -570,21 +662,24 @@ class Rounds {
             if (mode == MODEL) propose_model(st, n_st, max_n, cands, sp, rng, t_llama);
             double t2 = now_s();
             int k = static_cast<int>(drafted_.size());
+            // a probe verifies its drafts without the bonus: [last, d1..d(k-1)], k rows (engine.PythonRounds)
+            bool bonus = k == 0 || no_bonus_slot_ < 0 || no_bonus_slot_ >= n_st || st[no_bonus_slot_] == 0.0;
+            int n_rows = bonus ? k + 1 : k;
             size_t n_keep = tgt_.tokens.size() + 1;  // the cache keeps `last` ...
             batch_.assign(1, history_.back());
-            batch_.insert(batch_.end(), drafted_.begin(), drafted_.end());
-            tgt_.decode(batch_.data(), k + 1, k + 1, t_llama);
+            batch_.insert(batch_.end(), drafted_.begin(), drafted_.begin() + (n_rows - 1));
+            tgt_.decode(batch_.data(), n_rows, n_rows, t_llama);
             if (sp.greedy)
-                verify_greedy(k, m, nxt);
+                verify_greedy(k, bonus, m, nxt);
             else
-                verify_sampled(k, sp, rng, m, nxt);
-            tgt_.trim(n_keep + m);  // ... and the accepted drafts; the rest is rolled back
+                verify_sampled(k, bonus, sp, rng, m, nxt);
+            tgt_.trim(n_keep + std::min(m, n_rows - 1));  // ... and the accepted drafts it decoded; the rest is rolled back
             double t3 = now_s();
             t_draft = t2 - t1;
             t_verify = t3 - t2;
             update_(st, n_st, conf_.data(), static_cast<int64_t>(conf_.size()), m, t_draft, t_verify);
             history_.insert(history_.end(), drafted_.begin(), drafted_.begin() + m);
-            history_.push_back(nxt);
+            if (nxt >= 0) history_.push_back(nxt);  // -1: a probe whose drafts were all accepted
         }
         return py::make_tuple(drafted_, m, nxt, t_draft, t_verify, t_llama, rng.s);
     }
@@ -601,6 +696,7 @@ class Rounds {
     std::vector<char> point_;  // 1: the token was proposed deterministically (q = point mass)
     Probs probs_;
     int ngram_min_ = 0, ngram_max_ = 0;
+    int no_bonus_slot_ = -1;  // where the controller state says "verify this round without the bonus" (-1: never)
 
     Ctx& side(int which) {
         if (which != 0 && which != 1) throw py::value_error("which must be 0 (target) or 1 (draft)");
@@ -713,8 +809,13 @@ class Rounds {
         }
     }
 
-    void verify_greedy(int k, int& m, int& nxt) {
+    void verify_greedy(int k, bool bonus, int& m, int& nxt) {
         for (int i = 0; i <= k; i++) {
+            if (i == k && !bonus) {
+                m = k;
+                nxt = -1;
+                return;
+            }
             int best = argmax(tgt_.row(i), tgt_.n_vocab);
             if (i == k || best != drafted_[i]) {
                 m = i;
@@ -727,7 +828,7 @@ class Rounds {
     // speculative sampling over k drafts (sampling.verify_sampled):
     // accept d with probability min(1, p(d)/q(d)); else sample max(0, p - q) normalised;
     // all accepted: a bonus token from p_{k+1}
-    void verify_sampled(int k, const Sampling& sp, TokenRng& rng, int& m, int& nxt) {
+    void verify_sampled(int k, bool bonus, const Sampling& sp, TokenRng& rng, int& m, int& nxt) {
         int n = tgt_.n_vocab;
         for (int i = 0; i < k; i++) {
             llama_token d = drafted_[i];
@@ -758,8 +859,12 @@ class Rounds {
             nxt = tok;
             return;
         }
-        probs_.compute(tgt_.row(k), n, sp, p_);
         m = k;
+        if (!bonus) {  // a probe: no row k, no bonus draw
+            nxt = -1;
+            return;
+        }
+        probs_.compute(tgt_.row(k), n, sp, p_);
         nxt = sample(p_, p_.v.data(), -1, rng, blocks_);
     }
 };
@@ -790,9 +895,9 @@ PYBIND11_MODULE(_native, m) {
     py::register_exception<ContextFull>(m, "ContextFull", PyExc_RuntimeError);
 
     py::class_<Rounds>(m, "Rounds")
-        .def(py::init<uintptr_t, int, uintptr_t, int, uintptr_t, uintptr_t, uintptr_t>(), py::arg("target"),
+        .def(py::init<uintptr_t, int, uintptr_t, int, uintptr_t, uintptr_t, uintptr_t, int>(), py::arg("target"),
              py::arg("target_batch"), py::arg("draft"), py::arg("draft_batch"), py::arg("begin"), py::arg("decide"),
-             py::arg("update"))
+             py::arg("update"), py::arg("no_bonus_slot") = -1)
         .def("set_tokens", &Rounds::set_tokens, py::arg("which"), py::arg("tokens"), "Record what a KV cache holds (0 target, 1 draft).")
         .def("limit", &Rounds::limit, py::arg("which"), py::arg("n_ctx"), "Hold a context to fewer positions than its KV size.")
         .def("tokens", &Rounds::tokens, py::arg("which"), "What a KV cache holds, position by position.")

@@ -70,8 +70,8 @@ def test_target_as_its_own_drafter_accepts_everything(plain, monkeypatch):
     gaps: list[float] = []  # target logit gap at every greedy rejection
     real_verify = engine_mod.verify_greedy
 
-    def recording_verify(logits, drafts):
-        m, nxt = real_verify(logits, drafts)
+    def recording_verify(logits, drafts, bonus=True):
+        m, nxt = real_verify(logits, drafts, bonus)
         if m < len(drafts):
             gaps.append(float(logits[m][nxt] - logits[m][drafts[m]]))
         return m, nxt

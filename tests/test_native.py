@@ -75,6 +75,27 @@ def test_native_equals_python_on_the_demo_model(name, monkeypatch):
     assert name == "none" or drafted > 0, "nothing was drafted: the test would not test the drafter"
 
 
+@pytest.mark.parametrize(("name", "k"), [("lookup", 3), ("eesd", 1), ("draft-model", 3)])
+def test_probe_rounds_native_equals_python_and_plain(name, k, monkeypatch):
+    """Rounds verified without the bonus (cost-ts's probes; here forced on fixed:k for every round):
+    the same tokens in both loops, greedy output equal to plain decoding, rounds that end on a draft."""
+    from eesd_local.controllers import layout
+
+    spec = dict(DRAFTERS[name], controller=f"fixed:{k}")
+    with eesd_local.load(QWEN05, n_ctx=1024, **spec) as eng:
+        eng.controller.state[layout.NO_BONUS] = 1.0  # fixed controllers never reset it
+        prompt = eng.tokenize(eng.apply_chat_template(MESSAGES[0]))
+        py = _events(eng, prompt, monkeypatch, False, max_tokens=24)
+        nat = _events(eng, prompt, monkeypatch, True, max_tokens=24)
+        assert nat == py
+        assert any(d > 0 and a == d and e == d for _, d, a, e in py[1]), "no probe ended on its last draft"
+        assert all(e == (a if a == d and d > 0 else a + 1) for _, d, a, e in py[1])
+        _same_both_ways(eng, prompt, monkeypatch, max_tokens=16, temperature=0.8, top_p=0.95, seed=11)
+        eng.set_drafter("none")
+        plain = _events(eng, prompt, monkeypatch, True, max_tokens=24)
+    assert [t[0] for t in py[0]] == [t[0] for t in plain[0]]
+
+
 def test_probs_agree_with_numpy(qwen05_path):
     """Same filters, same tie rule; exp and sums may differ in the last bit (numpy's SIMD exp)."""
     from eesd_local.runtime import Context, ContextParams, Model
@@ -90,6 +111,25 @@ def test_probs_agree_with_numpy(qwen05_path):
         b = _native.probs(row, t, k, p)
         assert np.array_equal(a > 0, b > 0)  # the same support
         np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-300)
+
+
+def test_probs_agree_with_numpy_on_a_flat_distribution():
+    """An early exit's distribution is flat: top-p 0.95 keeps tens of thousands of tokens (the
+    binned search in both implementations, against a plain full sort here)."""
+    rng = np.random.default_rng(0)
+    for scale in (1.0, 2.0, 4.0):
+        row = (rng.standard_normal(151936) * scale).astype(np.float32)
+        for t, k, p in [(0.8, 0, 0.95), (1.0, 0, 0.5), (1.0, 0, 0.999), (0.7, 500, 0.9)]:
+            a = probs(row, SamplingParams(temperature=t, top_k=k, top_p=p))
+            b = _native.probs(row, t, k, p)
+            assert np.array_equal(a > 0, b > 0)
+            np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-300)
+            if k == 0:
+                x = row.astype(np.float64)
+                order = np.argsort(-x, kind="stable")
+                mass = np.cumsum(np.exp(x[order] - x.max()))
+                cut = int(np.searchsorted(mass, p * mass[-1])) + 1
+                assert np.array_equal(np.flatnonzero(a), np.sort(order[:cut]))
 
 
 def test_token_rng_is_splitmix64():

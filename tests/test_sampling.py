@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from eesd_local.runtime import Context, ContextParams, Model
-from eesd_local.sampling import SamplingParams, probs, sample, verify_sampled
+from eesd_local.sampling import SamplingParams, probs, sample, verify_greedy, verify_sampled
 
 N_TRIALS = 6000
 V = 3000  # the maths does not depend on the vocabulary size: use the top tokens of a real row
@@ -136,3 +136,49 @@ def test_probs_filters():
     p = probs(x, SamplingParams(temperature=0.5))
     assert p[0] > soft[0]
     assert probs(x, SamplingParams(temperature=1.0)).sum() == pytest.approx(1.0)
+
+
+def test_a_probe_without_the_bonus_keeps_the_target_distribution(rows):
+    """A probe verifies its draft with the target's row for it only: accepted, the draft is the round's
+    token; rejected, the residual's sample is. Either way the token follows p, and no bonus is drawn."""
+    l1, _ = rows
+    params = SamplingParams(temperature=0.9, top_k=50)
+    noise = np.random.default_rng(1).normal(0, 1.5, size=l1.shape)
+    q = probs(l1 + noise, params)
+    rng = np.random.default_rng(6)
+    counts = np.zeros(len(l1), dtype=np.int64)
+    accepted = 0
+    for _ in range(N_TRIALS):
+        d = sample(q, rng)
+        m, tok = verify_sampled(l1[None, :], [d], [q], params, rng, bonus=False)
+        assert (m, tok == -1) in ((1, True), (0, False))
+        accepted += m
+        counts[d if m else tok] += 1
+    assert 0.05 < accepted / N_TRIALS < 0.95
+    stat, df = chi2_stat(counts, probs(l1, params))
+    assert stat < chi2_critical(df)
+    assert verify_greedy(np.stack([l1, l1]), [int(np.argmax(l1)), 5], bonus=False)[0] in (1, 2)
+    assert verify_greedy(l1[None, :], [int(np.argmax(l1))], bonus=False) == (1, -1)
+
+
+def test_malloc_tuning_is_applied_and_can_be_turned_off():
+    import subprocess
+    import sys
+
+    code = "import eesd_local.runtime, eesd_local.memtune as m; print(m._done)"
+    on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    env = {**__import__("os").environ, "EESD_MALLOC_TUNE": "0"}
+    off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout.strip()
+    assert (on, off) == ("True", "False")
+
+
+def test_top_p_after_top_k_stays_within_the_top_k(rows):
+    """llama.cpp's order: top-p works on the top-k survivors' own softmax, so it can only shrink them."""
+    l1, _ = rows
+    for k, p in [(5, 0.99), (40, 0.95), (40, 0.5)]:
+        both = probs(l1, SamplingParams(temperature=1.0, top_k=k, top_p=p))
+        only_k = probs(l1, SamplingParams(temperature=1.0, top_k=k))
+        assert set(np.flatnonzero(both)) <= set(np.flatnonzero(only_k))
+        w = np.sort(only_k)[::-1]
+        want = int(np.searchsorted(np.cumsum(w), p * w.sum())) + 1
+        assert np.count_nonzero(both) == min(want, k)

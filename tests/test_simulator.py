@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from eesd_local.commands import simulate as simulate_command
+from eesd_local.controllers import make_controller
 from eesd_local.errors import EesdError
 from eesd_local.simulator import (
     PROCESSES,
@@ -82,9 +83,27 @@ def test_cost_ts_adapts_within_200_rounds_of_a_regime_switch(profile):
     assert 0 <= a.to_hard <= 200, a.to_hard
 
 
-def test_cost_ts_stops_drafting_within_200_rounds_when_the_cpu_stops_paying():
+def test_cost_ts_adapts_within_200_rounds_of_a_regime_switch_on_the_cpu():
+    """To hard: drafting stops paying, the gate closes. To easy: one-token probes (verified without the
+    bonus, so they cost only a draft step) see theta_1 rise and the gate opens again."""
     a = adaptation("cost-ts", PROCESSES["switch"], PROFILES["cpu-d0.1"])
     assert 0 <= a.to_hard <= 200, a.to_hard
+    assert 0 <= a.to_easy <= 200, a.to_easy
+
+
+def test_probes_verify_without_the_bonus_on_the_cpu_and_with_it_on_the_gpu():
+    """Where nothing pays, cost-ts drafts in few rounds, one token each; on this CPU's curve those
+    rounds verify [last] only and yield exactly one token, on the flat GPU curve they keep the bonus."""
+    out = simulate("cost-ts", PROCESSES["iid-0.4"], PROFILES["cpu-d0.35"], rounds=3000)
+    probes = out[1000:][out[1000:, 2] > 0]
+    assert 0 < len(probes) < 0.1 * 2000 and np.all(probes[:, 2] == 1)
+    assert np.mean(probes[:, 0] == 1.0) > 0.9  # no bonus: one token whatever the outcome
+    ctl = make_controller("cost-ts", max_draft=4)
+    for _ in range(50):  # teach it a flat verify cost and a poor drafter: the gate closes
+        ctl.begin_round()
+        ctl.end_round(np.array([0.5]), 0, 0.02, 0.02)
+    ctl.begin_round()
+    assert not ctl.no_bonus()
 
 
 def test_the_thresholds_can_fail():

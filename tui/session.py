@@ -49,7 +49,7 @@ class Answer:
             self.stats.t_decode = time.perf_counter() - self.t_start
 
     def add_round(self, ev: RoundEvent) -> None:
-        self.stats.record_round(ev.drafted, ev.accepted)
+        self.stats.record_round(ev.drafted, ev.accepted, ev.emitted)
         self.stats.t_draft += ev.t_draft
         self.stats.t_verify += ev.t_verify
         if ev.belief:
@@ -74,6 +74,7 @@ def merge_stats(parts: list[Stats]) -> Stats:
         out.n_rounds += s.n_rounds
         out.n_drafted += s.n_drafted
         out.n_accepted += s.n_accepted
+        out.n_emitted += s.n_emitted
         out.t_prefill += s.t_prefill
         out.t_decode += s.t_decode
         out.t_draft += s.t_draft

@@ -102,6 +102,7 @@ class Turn:
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
     draft_lengths: list[int] = field(default_factory=list)
+    n_emitted: int = 0  # tokens the rounds emitted (0: not recorded, take accepted + rounds)
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ class EngineMethod:
         if not tokens:
             t_first = t_last = time.perf_counter()
         return Turn(tokens, fin.text, t_first - t0, t_last - t_first, st.n_rounds, st.n_drafted, st.n_accepted,
-                    st.t_draft, list(st.drafted_at), list(st.accepted_at), list(st.draft_lengths))
+                    st.t_draft, list(st.drafted_at), list(st.accepted_at), list(st.draft_lengths), st.n_emitted)
 
     def close(self) -> None:
         self.engine.close()

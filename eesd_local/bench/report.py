@@ -43,6 +43,7 @@ def figures(res: Results, method: str, runs: list[Run], plain: dict[tuple[str, s
     rounds = sum(t.n_rounds for t in turns)
     drafted = sum(t.n_drafted for t in turns)
     accepted = sum(t.n_accepted for t in turns)
+    emitted = sum(t.n_emitted or t.n_accepted + t.n_rounds for t in turns)
     t_draft = sum(t.t_draft for t in turns)
     width = max((len(t.drafted_at) for t in turns), default=0)
     d_at = [sum(t.drafted_at[i] for t in turns if i < len(t.drafted_at)) for i in range(width)]
@@ -56,7 +57,7 @@ def figures(res: Results, method: str, runs: list[Run], plain: dict[tuple[str, s
     return {
         "tokens_per_s": _div(n_tok, secs),
         "speedup": 1.0 if method == "none" and runs else (tps_m / tps_r if tps_m and tps_r else None),
-        "tau": _div(accepted + rounds, rounds),
+        "tau": _div(emitted, rounds),
         "acceptance_rate": _div(accepted, drafted),
         "lossless": (all(m["near_tie"] for m in mismatches) if runs else None) if greedy else None,
         "identical": len(runs) - len(mismatches) if greedy else None,

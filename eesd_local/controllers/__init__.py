@@ -34,8 +34,8 @@ CONTROLLER_CHOICES = ["cost-ts", "beta-ts", "calibration-ts", "fixed:K", "pmin:P
 # (beta-ts and calibration-ts match it on the flat GPU profiles but fall to 0.56-0.89 on this CPU's curve)
 DEFAULT_CONTROLLER = "cost-ts"
 DEFAULT_PMIN = 0.75  # llama.cpp's default p_min for greedy speculative decoding
-TS_EPS = 0.01  # a round that plans no draft drafts one token with this chance
-TS_FORGET = 0.99  # theta_1 keeps ~100 observations: it follows a change of regime in ~50-130 rounds (simulator)
+TS_EPS = 0.01  # exploration budget: a closed gate spends about this share of the time on one-token probes
+TS_FORGET = 0.99  # theta_1 keeps ~100 rounds of evidence: it follows a change of regime in ~40-170 rounds (simulator)
 
 _THOMPSON = {
     # name: (rule, use_bins, batch_costs)
@@ -62,6 +62,10 @@ class Controller:
         """Draft token number step+1? step = tokens drafted so far this round; confidence = the
         drafter's probability of the token it just drafted (1.0 at step 0)."""
         return controller_decide(self.state, step, confidence) != 0
+
+    def no_bonus(self) -> bool:
+        """Verify this round's drafts without the bonus token (a probe: the batch is [last, d1..d(k-1)])."""
+        return bool(self.state[L.NO_BONUS] != 0.0)
 
     def end_round(self, confidences: np.ndarray, n_accepted: int, t_draft: float, t_verify: float) -> None:
         """After verification: one confidence per drafted token, the accepted prefix length,

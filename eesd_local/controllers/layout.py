@@ -29,6 +29,7 @@ N_T_DRAFT = 11  # rounds with at least one draft (timing sample count)
 ALL_A = 12  # pooled Beta posterior of "a draft token is accepted", all positions
 ALL_B = 13
 N_T_VERIFY = 14  # rounds with a usable verify time
+NO_BONUS = 15  # this round verifies its drafts without the bonus token (a probe: see thompson.py); set by begin
 HEADER = 16
 
 # baselines: one parameter
@@ -39,7 +40,7 @@ BASELINE_SIZE = 17
 RULE = 16  # 0: act optimally under the sampled model; 1: the EESD paper's Bernoulli(theta) rule
 USE_BINS = 17  # condition on the drafter's confidence (calibration)
 BATCH_COSTS = 18  # verify time per batch size (cost-aware); else one verify time for all sizes
-EPS = 19  # chance that a round which would draft nothing drafts one token (exploration)
+EPS = 19  # exploration budget: the share of time a closed gate may spend on one-token probes
 FORGET = 20  # per-observation discount of past evidence toward the prior
 LAMBDA = 21  # this round's target rate: tokens per second of the best fixed k under the sample
 PREFIX = 22  # sampled chance that every token drafted so far in this round is accepted

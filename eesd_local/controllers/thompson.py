@@ -33,9 +33,17 @@ per batch size, smoothed toward a fitted line (see refresh_verify_estimates).
 
 Exploration where drafting does not pay. TS samples from the tail of the posterior
 would keep buying long drafts that cost several target tokens each. So when no k pays
-even at an optimistic theta_1 (posterior mean + GATE_Z sd), the gate closes: a round
-then drafts at most one token, when the sample says drafting pays or with chance EPS,
-the cheapest look at theta_1. Drafting resumes in full once theta_1 says it pays.
+even at a mildly optimistic theta_1 (posterior mean + GATE_Z sd), the gate closes: a
+round then drafts nothing, or with a small chance one token, a *probe*. Where a batch
+of two costs more than the bonus token is worth (this CPU: V(2) - V(1) > theta_1 V(1)),
+the probe is verified WITHOUT its bonus: the target decodes only [last], exactly what
+plain decoding does, and its one token is the draft if accepted, else the correction.
+Such a probe costs just one draft step over plain decoding, so probes can be frequent
+(their chance is set so they take about EPS of the time: every round for a free lookup
+drafter, ~3% of rounds for a drafter at 0.35 of a target token). theta_1's evidence
+ages by the round, observed or not, so after a long closed spell a few probes move it:
+the gate reopens within ~170 rounds of a switch to an easy regime on this CPU's profile
+(simulator) while costing ~1% where nothing pays.
 
 RULE = 1 is the EESD paper's rule, kept for comparison: at each step sample theta (the
 pooled posterior, or the confidence bin's) and go on with probability theta. Its draft
@@ -63,6 +71,7 @@ from .layout import (
     LAMBDA,
     MAX_DRAFT,
     N_BINS,
+    NO_BONUS,
     OPEN,
     POS0,
     POS_WIDTH,
@@ -80,7 +89,7 @@ from .rng import beta, uniform
 BIN_PRIOR = 2.0  # prior strength of a confidence bin, centred on the bin's confidence
 RATIO_FORGET = 0.995  # odds ratios (deeper positions, bins) keep ~200 observations: they are stable, and noisy with few
 LINE_PRIOR = 3.0  # pseudo-samples of the fitted verify-time line behind each batch size's own mean
-GATE_Z = 1.0  # how optimistic the "does any k pay?" gate is, in posterior sds of theta_1
+GATE_Z = 0.5  # how optimistic the "does any k pay?" gate is, in posterior sds of theta_1
 THETA_CLAMP = 1e-9  # keeps odds finite when a sampled theta rounds to 0 or 1
 
 
@@ -170,8 +179,9 @@ def _observe_ratio(state, at, prior_mean, accepted, predicted):
 def ts_begin(state):
     k = int(state[MAX_DRAFT])
     state[PREFIX] = 1.0
-    state[PROBE] = 1.0 if uniform(state, RNG) < state[EPS] else 0.0
+    state[NO_BONUS] = 0.0
     if state[RULE] != 0.0:
+        state[PROBE] = 1.0 if uniform(state, RNG) < state[EPS] else 0.0
         return
     th = th0(k)
     ve = ve0(k)
@@ -179,12 +189,27 @@ def ts_begin(state):
     a1 = state[POS0]
     b1 = state[POS0 + 1]
     state[LAMBDA] = _best_rate(state, _odds(beta(state, RNG, a1, b1)), th, ve, d, k)
-    # where no k pays even at an optimistic theta_1 (posterior mean + GATE_Z sd), a sample from the
-    # tail would buy a costly long draft; then a round that the sample says to draft drafts one token
     n1 = a1 + b1
-    optimistic = a1 / n1 + GATE_Z * math.sqrt(a1 * b1 / (n1 * n1 * (n1 + 1.0)))
-    rate_0 = 1.0 / state[ve] if state[ve] > 0.0 else 0.0
+    mean1 = a1 / n1
+    v1 = state[ve]
+    # where no k pays at theta_1's posterior mean, the gate closes: the round drafts nothing, or with a
+    # small chance one token, a probe that keeps theta_1 current (its evidence ages by the round). Sampling
+    # from the tail of a posterior that only probes feed would buy costly long drafts instead.
+    rate_0 = 1.0 / v1 if v1 > 0.0 else 0.0
+    optimistic = mean1 + GATE_Z * math.sqrt(a1 * b1 / (n1 * n1 * (n1 + 1.0)))
     state[OPEN] = 1.0 if _best_rate(state, _odds(optimistic), th + k, ve, d, k) > rate_0 else 0.0
+    chance = state[EPS]
+    if state[OPEN] == 0.0 and state[BATCH_COSTS] != 0.0:
+        # a one-token round verified without its bonus costs d + V(1) for exactly one token, with the
+        # bonus d + V(2) for 1 + theta_1: the probe takes whichever wastes less, and probes take about
+        # EPS of the time
+        extra = state[ve + 1] - v1 - mean1 * v1
+        if extra > 0.0:
+            state[NO_BONUS] = 1.0
+            extra = 0.0
+        waste = d + extra
+        chance = min(1.0, state[EPS] * v1 / waste) if waste > 0.0 else 1.0
+    state[PROBE] = 1.0 if uniform(state, RNG) < chance else 0.0
 
 
 @njit(cache=True)
@@ -223,8 +248,7 @@ def ts_decide(state, step, confidence):
     if state[OPEN] == 0.0:
         if step > 0:
             return 0  # gate closed: at most one token, the cheapest look at theta_1
-        if state[PROBE] != 0.0:
-            return 1
+        return 1 if state[PROBE] != 0.0 else 0
     th = th0(k)
     if step > 0:
         p = state[th + step - 1]
@@ -276,8 +300,13 @@ def ts_update(state, confidences, n_accepted, t_verify):
         odds_prev = odds_i
     if n > 0:
         observe(state, POS0, 1.0, 1.0, state[FORGET], 1.0 if a > 0 else 0.0)
+    else:  # theta_1's evidence ages by the round, seen or not, so a closed gate's estimate stays current
+        g = state[FORGET]
+        state[POS0] = 1.0 + g * (state[POS0] - 1.0)
+        state[POS0 + 1] = 1.0 + g * (state[POS0 + 1] - 1.0)
     if t_verify > 0.0 and t_verify < 1e30:  # a missing or NaN timing must not poison the means
-        vc = vc0(k) + 2 * min(n, k)
+        b = n - 1 if state[NO_BONUS] != 0.0 and n > 0 else n  # the verify batch held n + 1 tokens, or n
+        vc = vc0(k) + 2 * min(b, k)
         state[vc + 1] += 1.0
         state[vc] = ema(state[vc], t_verify, state[vc + 1])
     refresh_verify_estimates(state)
