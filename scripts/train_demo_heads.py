@@ -26,10 +26,13 @@ from eesd_local.registry import models_dir, resolve_model  # noqa: E402
 
 # model -> (exit layer, teacher settings, training settings)
 DEMO = {
+    # = `eesd heads train --model qwen2.5-coder-0.5b-instruct --exit-layer 6 --tokens 200000`: the CLI's mix and defaults
     "qwen2.5-coder-0.5b-instruct": {
         "exit_layer": 6,
-        "teacher": {"n_parallel": 8, "max_new": 320},
-        "train": {"epochs": 4.0, "lr": 1e-3, "batch_tokens": 1024},
+        "tokens": 200000,
+        "mix": "cli",
+        "teacher": {"n_parallel": 8, "max_new": 320, "threads": 2},
+        "train": {"epochs": 3.0, "lr": 3e-4, "batch_tokens": 2048, "threads": 2},
     },
     "qwen2.5-coder-1.5b-instruct": {
         "exit_layer": 6,
@@ -49,8 +52,12 @@ def run(name: str, args: argparse.Namespace) -> None:
     model = resolve_model(name)
     n = spec["exit_layer"]
     data_dir = cache_dir("heads-data") / fingerprint(model)
-    items = data.interleave(data.code_items("train"), data.sharegpt_items("train"), weights=(1.0, 1.0), seed=0)
-    tcfg = teacher.TeacherConfig(threads=args.threads, **spec["teacher"])
+    if spec.get("mix") == "cli":  # code : chat : stdlib source 4 : 4 : 1, as `eesd heads train`
+        items = data.training_items()
+    else:
+        items = data.interleave(data.code_items("train"), data.sharegpt_items("train"), weights=(1.0, 1.0), seed=0)
+    tcfg = teacher.TeacherConfig(**{"threads": args.threads, **spec["teacher"]})
+    budget = args.tokens or spec.get("tokens", 40000)
     last = [0.0]
 
     def prog(d: dict) -> None:
@@ -59,11 +66,11 @@ def run(name: str, args: argparse.Namespace) -> None:
             log(f"{name} teacher: {d['tokens']} tokens on disk, {d['new'] / max(d['elapsed'], 1e-9):.1f} tok/s")
 
     got = teacher.run_teacher(
-        model, items, data_dir, cfg=tcfg, budget_tokens=args.tokens, time_limit_s=args.teacher_minutes * 60, progress=prog
+        model, items, data_dir, cfg=tcfg, budget_tokens=budget, time_limit_s=args.teacher_minutes * 60, progress=prog
     )
     log(f"{name}: {got} teacher tokens in {data_dir}")
     train.cache_trunk_states(model, data_dir, (n,), threads=args.threads, progress=log)
-    cfg = train.TrainConfig(exit_layer=n, threads=args.threads, eval_every=25, **spec["train"])
+    cfg = train.TrainConfig(**{"exit_layer": n, "threads": args.threads, "eval_every": 25, **spec["train"]})
     out = models_dir() / f"{name}.exit{n}.gguf"
     summary = train.train_head(
         model,
@@ -75,7 +82,9 @@ def run(name: str, args: argparse.Namespace) -> None:
         use_bar=sys.stderr.isatty(),
         data_summary={
             "teacher_tokens": got,
-            "mix": "greedy answers of the model to stdlib code tasks and ShareGPT requests (train range), 1:1; prompt positions teacher-forced",
+            "mix": "own greedy answers to stdlib code tasks + ShareGPT requests (train range), stdlib source teacher-forced"
+            if spec.get("mix") == "cli"
+            else "greedy answers of the model to stdlib code tasks and ShareGPT requests (train range), 1:1; prompt positions teacher-forced",
         },
     )
     log(
@@ -91,7 +100,7 @@ def run(name: str, args: argparse.Namespace) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=sorted(DEMO), action="append", help="train only this model (repeatable)")
-    ap.add_argument("--tokens", type=int, default=40000, help="teacher tokens per model (default 40000)")
+    ap.add_argument("--tokens", type=int, default=None, help="teacher tokens per model (default: the model's own, 200000 / 40000)")
     ap.add_argument("--teacher-minutes", type=float, default=45.0, help="cap on teacher generation time per model")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-eval", action="store_true")
