@@ -49,6 +49,7 @@ class PythonRounds:
 
     def __init__(self, ctx: Context, drafter: Drafter, controller: Any, params: SamplingParams, rng: Uniform) -> None:
         self.ctx, self.drafter, self.ctl, self.params, self.rng = ctx, drafter, controller, params, rng
+        self.no_bonus = getattr(controller, "no_bonus", None)  # a duck-typed controller may not have it
 
     def room(self) -> int:
         return self.ctx.room()
@@ -61,7 +62,7 @@ class PythonRounds:
         t2 = time.perf_counter()
         k = len(prop)
         # a probe verifies its drafts without the bonus: [last, d1..d(k-1)], k rows (plain decoding when k = 1)
-        bonus = k == 0 or not _no_bonus(ctl)
+        bonus = k == 0 or self.no_bonus is None or not self.no_bonus()
         n_rows = k + 1 if bonus else k
         n_keep = ctx.n_past + 1  # the cache keeps `last` ...
         ctx.decode([history[-1], *prop.tokens[: n_rows - 1]], n_logits=n_rows)
@@ -274,11 +275,6 @@ class Engine:
 def _hit_stop(text: list[str], stop: list[str]) -> bool:
     tail = "".join(text[-64:])
     return any(s and s in tail for s in stop)
-
-
-def _no_bonus(ctl: Any) -> bool:
-    f = getattr(ctl, "no_bonus", None)
-    return bool(f()) if f is not None else False
 
 
 def _belief(ctl: Any) -> dict[str, float]:

@@ -452,12 +452,11 @@ int sample(const Dist& d, const double* w, int skip, TokenRng& rng, std::vector<
 
 // first index of the largest logit, as np.argmax: a vectorised max, then a scan for it
 int argmax(const float* row, int n) {
-    float best = row[0];
-    int i = 0;
 #if defined(__AVX512F__)
     // one pass: each of the 16 lanes keeps its largest value and the first index holding it
     // (strict >); the answer is the smallest index among the lanes holding the overall max
     if (n >= 16) {
+        int i;
         __m512 bv = _mm512_loadu_ps(row);
         __m512i iv = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), bi = iv;
         const __m512i step = _mm512_set1_epi32(16);
@@ -473,7 +472,7 @@ int argmax(const float* row, int n) {
         _mm512_store_ps(vals, bv);
         _mm512_store_si512(idxs, bi);
         int at = idxs[0];
-        best = vals[0];
+        float best = vals[0];
         for (int l = 1; l < 16; l++)
             if (vals[l] > best || (vals[l] == best && idxs[l] < at)) best = vals[l], at = idxs[l];
         for (; i < n; i++)
@@ -481,22 +480,7 @@ int argmax(const float* row, int n) {
         return at;
     }
 #endif
-#if defined(__SSE2__)
-    if (n >= 16) {
-        __m128 m0 = _mm_loadu_ps(row), m1 = m0, m2 = m0, m3 = m0;
-        for (; i + 16 <= n; i += 16) {
-            m0 = _mm_max_ps(m0, _mm_loadu_ps(row + i));
-            m1 = _mm_max_ps(m1, _mm_loadu_ps(row + i + 4));
-            m2 = _mm_max_ps(m2, _mm_loadu_ps(row + i + 8));
-            m3 = _mm_max_ps(m3, _mm_loadu_ps(row + i + 12));
-        }
-        float lanes[4];
-        _mm_storeu_ps(lanes, _mm_max_ps(_mm_max_ps(m0, m1), _mm_max_ps(m2, m3)));
-        best = std::max(std::max(lanes[0], lanes[1]), std::max(lanes[2], lanes[3]));
-    }
-#endif
-    for (; i < n; i++)
-        if (row[i] > best) best = row[i];
+    float best = max_of(row, n);  // otherwise: the largest value, then its first index
     for (int j = 0; j < n; j++)
         if (row[j] == best) return j;
     return 0;

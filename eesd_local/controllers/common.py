@@ -28,14 +28,22 @@ def ema(old, new, n):
 
 
 @njit(cache=True)
+def discount(state, at, prior_a, prior_b, forget):
+    """Age the Beta(alpha, beta) at state[at:at+2] toward its prior: alpha <- a0 + g (alpha - a0)."""
+    state[at] = prior_a + forget * (state[at] - prior_a)
+    state[at + 1] = prior_b + forget * (state[at + 1] - prior_b)
+
+
+@njit(cache=True)
 def observe(state, at, prior_a, prior_b, forget, accepted):
     """One Bernoulli outcome into the Beta(alpha, beta) at state[at:at+2].
 
-    Old evidence is discounted toward the prior first, alpha <- a0 + g (alpha - a0), so the
-    posterior holds about 1/(1-g) observations and follows a change of regime.
+    Old evidence is discounted toward the prior first, so the posterior holds about 1/(1-g)
+    observations and follows a change of regime.
     """
-    state[at] = prior_a + forget * (state[at] - prior_a) + accepted
-    state[at + 1] = prior_b + forget * (state[at + 1] - prior_b) + (1.0 - accepted)
+    discount(state, at, prior_a, prior_b, forget)
+    state[at] += accepted
+    state[at + 1] += 1.0 - accepted
 
 
 @njit(cache=True)

@@ -57,7 +57,7 @@ import math
 
 from numba import njit
 
-from .common import ema, observe
+from .common import discount, ema, observe
 from .layout import (
     ALL_A,
     ALL_B,
@@ -301,9 +301,7 @@ def ts_update(state, confidences, n_accepted, t_verify):
     if n > 0:
         observe(state, POS0, 1.0, 1.0, state[FORGET], 1.0 if a > 0 else 0.0)
     else:  # theta_1's evidence ages by the round, seen or not, so a closed gate's estimate stays current
-        g = state[FORGET]
-        state[POS0] = 1.0 + g * (state[POS0] - 1.0)
-        state[POS0 + 1] = 1.0 + g * (state[POS0 + 1] - 1.0)
+        discount(state, POS0, 1.0, 1.0, state[FORGET])
     if t_verify > 0.0 and t_verify < 1e30:  # a missing or NaN timing must not poison the means
         b = n - 1 if state[NO_BONUS] != 0.0 and n > 0 else n  # the verify batch held n + 1 tokens, or n
         vc = vc0(k) + 2 * min(b, k)
