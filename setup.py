@@ -3,8 +3,9 @@
 Everything else about the package is in pyproject.toml. The extension includes the
 llama.h that llama-cpp-python installs (<site-packages>/include) and links its
 libllama.so (<site-packages>/llama_cpp/lib), with an RPATH to that directory so that
-the extension and llama_cpp's ctypes share ONE loaded libllama. Hence
-``pip install --no-build-isolation``: the build must see the venv's llama_cpp.
+the extension and llama_cpp's ctypes share ONE loaded libllama. So llama-cpp-python is
+installed first; then ``pip install -e .`` builds this against it (with or without build
+isolation: see find_llama_cpp).
 """
 
 from __future__ import annotations
@@ -12,17 +13,30 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import os
+import sysconfig
 
 from pybind11.setup_helpers import Pybind11Extension
 from setuptools import setup
 
-spec = importlib.util.find_spec("llama_cpp")
-if spec is None or spec.origin is None:
-    raise SystemExit("llama-cpp-python must be installed first; then: pip install --no-build-isolation -e .")
-LLAMA_CPP_DIR = os.path.dirname(spec.origin)
+
+def find_llama_cpp() -> tuple[str, str]:
+    """(package directory, version) of the llama-cpp-python the extension is for: importable, or
+    (under pip's build isolation, which hides the environment's packages) in the site-packages of
+    the environment being installed into, which this interpreter's sysconfig still names."""
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is not None and spec.origin is not None:
+        return os.path.dirname(spec.origin), importlib.metadata.version("llama-cpp-python")
+    for site in dict.fromkeys(sysconfig.get_paths()[k] for k in ("platlib", "purelib")):
+        if os.path.isfile(os.path.join(site, "llama_cpp", "__init__.py")):
+            for dist in importlib.metadata.distributions(path=[site]):
+                if dist.metadata["Name"].lower().replace("_", "-") == "llama-cpp-python":
+                    return os.path.join(site, "llama_cpp"), dist.version
+    raise SystemExit("llama-cpp-python must be installed first (pip install llama-cpp-python==0.3.36); then: pip install -e .")
+
+
+LLAMA_CPP_DIR, LLAMA_CPP_VERSION = find_llama_cpp()
 LLAMA_LIB_DIR = os.path.join(LLAMA_CPP_DIR, "lib")
 LLAMA_INCLUDE_DIR = os.path.join(os.path.dirname(LLAMA_CPP_DIR), "include")
-LLAMA_CPP_VERSION = importlib.metadata.version("llama-cpp-python")
 
 native = Pybind11Extension(
     "eesd_local._native",

@@ -41,6 +41,9 @@ class EngineConfig:
     n_gpu_layers: int = 0
     n_threads: int | None = None
     seed: int = 0  # the controller's seed
+    # the native loop runs rounds in batches of about this long before Python takes them (and
+    # streams their tokens): fewer Python calls per token; 0 = back to Python after every round
+    batch_ms: float = 50.0
 
 
 class PythonRounds:
@@ -54,7 +57,7 @@ class PythonRounds:
     def room(self) -> int:
         return self.ctx.room()
 
-    def run(self, history: list[int], max_n: int) -> RoundResult:
+    def run(self, history: list[int], max_n: int, left: int | None = None) -> RoundResult:
         ctx, ctl, params = self.ctx, self.ctl, self.params
         ctl.begin_round()
         t1 = time.perf_counter()
@@ -100,6 +103,7 @@ class Engine:
             self.close()
             raise
         self._cancel = False
+        self._live: Rounds | None = None  # the running generation's round loop (for cancel)
         self.loop_note = native_round.status(self.drafter)[1]  # which round loop runs, and why
 
     # --- the round loop --------------------------------------------------
@@ -138,7 +142,7 @@ class Engine:
             ctx.decode(prompt[keep:])
             first = self._pick(ctx.logits(), params, rng)
             drafter.begin(prompt)
-            rounds = self._rounds(params, rng)
+            rounds = self._live = self._rounds(params, rng)
             stats.t_prefill = time.perf_counter() - t0
             t_start = time.perf_counter()
             pending = [(first, "target")]
@@ -171,7 +175,8 @@ class Engine:
                     break
                 # one round: draft, verify in one batch, accept, roll back (Python or native)
                 round_no += 1
-                r = rounds.run(history, max(0, min(self.config.draft_max, max_tokens - stats.n_generated - 1, room - 1)))
+                left = max_tokens - stats.n_generated
+                r = rounds.run(history, max(0, min(self.config.draft_max, left - 1, room - 1)), left)
                 k, m = len(r.drafted), r.accepted
                 stats.t_draft += r.t_draft
                 stats.t_verify += r.t_verify
@@ -181,6 +186,7 @@ class Engine:
                 stats.record_round(k, m, len(pending))
                 yield RoundEvent(round_no, k, m, len(pending), r.t_draft, r.t_verify, _belief(ctl))
         finally:
+            self._live = None
             if rounds is not None:
                 rounds.close()  # the native loop hands its KV records back to the contexts
             # the rollback always runs: the cache holds exactly the emitted history but `last`
@@ -195,7 +201,8 @@ class Engine:
         """The round loop for this generation: native when the extension can run it, else Python."""
         use_native, self.loop_note = native_round.status(self.drafter)
         if use_native:
-            return native_round.NativeRounds(self.ctx, self.drafter, self.controller, params, rng)
+            return native_round.NativeRounds(self.ctx, self.drafter, self.controller, params, rng,
+                                             draft_max=self.config.draft_max, batch_s=self.config.batch_ms / 1000.0)
         return PythonRounds(self.ctx, self.drafter, self.controller, params, rng)
 
     def _pick(self, logits: np.ndarray, params: SamplingParams, rng: Uniform) -> int:
@@ -219,6 +226,9 @@ class Engine:
     def cancel(self) -> None:
         """Ask a running generation to stop after the current round (thread-safe)."""
         self._cancel = True
+        live = self._live
+        if isinstance(live, native_round.NativeRounds):
+            live.cancel()
 
     # --- conveniences ----------------------------------------------------
 

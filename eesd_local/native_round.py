@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import functools
 import os
+from collections import deque
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from .drafters.base import NoDrafter
 from .drafters.hierarchical import HierarchicalDrafter
@@ -77,10 +80,26 @@ def _open(ctx: Context, what: str) -> int:
     return int(ctx.ptr)
 
 
-class NativeRounds:
-    """One generation's rounds through the extension (see :class:`eesd_local.engine.PythonRounds`)."""
+class _Round(NamedTuple):
+    result: RoundResult
+    max_n: int  # the draft limit it ran with
+    room: int  # free target KV positions before it
 
-    def __init__(self, ctx: Context, drafter: Any, controller: Any, params: SamplingParams, rng: TokenRNG) -> None:
+
+class NativeRounds:
+    """One generation's rounds through the extension (see :class:`eesd_local.engine.PythonRounds`).
+
+    The extension runs rounds in batches: one call runs the rounds the engine would ask for
+    next (the same draft limits, from the tokens still wanted and the room left) until
+    ``batch_s`` seconds have passed, an end-of-generation token, or :meth:`cancel`; the
+    engine then takes them one by one, with the same events as round-by-round calls. So
+    Python runs once per batch rather than once per round: on a GPU, where a round takes a
+    millisecond or two, that is most of the time outside llama.cpp. ``batch_s=0``: one
+    round per call.
+    """
+
+    def __init__(self, ctx: Context, drafter: Any, controller: Any, params: SamplingParams, rng: TokenRNG,
+                 draft_max: int = 8, batch_s: float = 0.0) -> None:
         from .controllers.cfuncs import addresses
         from .controllers.layout import NO_BONUS
 
@@ -101,12 +120,29 @@ class NativeRounds:
         if self.lookup is not None:  # the n-gram search runs in C++, on the history the extension holds
             self.rounds.set_lookup(self.lookup.ngram_min, self.lookup.ngram_max)
         self._started = False
+        self.draft_max, self.batch_s = draft_max, batch_s
+        self._queue: deque[_Round] = deque()  # rounds run ahead, in order
+        self._cancel = np.zeros(1, dtype=np.uint8)  # read by the extension between rounds
         self.t_llama = 0.0  # seconds inside llama_decode, both contexts (for overhead measurements)
 
     def room(self) -> int:
-        return int(self.rounds.room())
+        """Free target KV positions before the next round (a queued one's, if any)."""
+        return self._queue[0].room if self._queue else int(self.rounds.room())
 
-    def run(self, history: list[int], max_n: int) -> RoundResult:
+    def cancel(self) -> None:
+        """Stop a running batch after its current round (thread-safe)."""
+        self._cancel[0] = 1
+
+    def run(self, history: list[int], max_n: int, left: int | None = None) -> RoundResult:
+        """The next round; ``left``: tokens still wanted (lets the extension run the rounds after it)."""
+        if not self._queue:
+            self._fetch(history, max_n, left)
+        r = self._queue.popleft()
+        if r.max_n != max_n:  # the engine and the batch must agree on every round's limit
+            raise EesdError(f"internal: the native batch drafted up to {r.max_n} tokens where {max_n} were asked")
+        return r.result
+
+    def _fetch(self, history: list[int], max_n: int, left: int | None) -> None:
         if not self._started:  # the history is known from the first round on; the extension extends it itself
             self.rounds.set_history(history)
             self._started = True
@@ -114,13 +150,16 @@ class NativeRounds:
         if self.draft_ctx is not None:
             _open(self.draft_ctx, "draft")
         p = self.params
+        # the engine asks for max_n = min(draft_max, left - 1, room - 1): without `left`, one round
+        draft_max, batch_s = (self.draft_max, self.batch_s) if left is not None else (max_n, 0.0)
         try:
-            drafted, m, nxt, t_draft, t_verify, t_llama, self.rng.state = self.rounds.run(
-                self.ctl.state, len(history), max_n, self.mode, [], 0.0, p.temperature, p.top_k, p.top_p, self.rng.state)
+            rounds, t_llama, self.rng.state = self.rounds.run_batch(
+                self.ctl.state, len(history), draft_max, left if left is not None else max_n + 1, self.mode,
+                p.temperature, p.top_k, p.top_p, self.rng.state, batch_s, 1 if left is None else 1 << 20, self._cancel)
         except self._native.ContextFull as exc:
             raise ContextFullError(str(exc), hint="start a new conversation or pass a larger --ctx") from None
         self.t_llama += t_llama
-        return RoundResult(drafted, m, nxt, t_draft, t_verify)
+        self._queue.extend(_Round(RoundResult(d, m, nxt, td, tv), mx, room) for d, m, nxt, td, tv, mx, room in rounds)
 
     def close(self) -> None:
         """Hand the KV records back to the Python contexts."""

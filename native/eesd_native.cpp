@@ -15,9 +15,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 #if defined(__SSE2__)
 #include <immintrin.h>
@@ -86,15 +88,119 @@ inline double exp_fast(double x) {
 // exp(x) for any x <= 0: the fast path, or libm below its domain (subnormals, zero)
 inline double exp_neg(double x) { return x >= EXP_MIN ? exp_fast(x) : std::exp(x); }
 
-// sum_i exp(row[i] - m) over the row, m >= every row[i]. Terms below exp(EXP_MIN) ~ 3e-308
-// are left out: the sum holds exp(0) = 1, so they cannot change it.
-double sum_exp(const float* row, int n, double m) {
+inline double as_double(float x) { return x; }
+inline double as_double(double x) { return x; }
+
+#if defined(__AVX512F__)
+// exp(z) of 8 doubles z <= 0, the vocabulary-wide pass's exp: z = (8e + j) ln2/8 + r, |r| <= ln2/16,
+// exp(r) by its Taylor series to degree 8 (truncation r^9/9! < 1.6e-18), 2^(j/8) from a table of
+// 8 (one permute), 2^e by scalef (which also rounds tiny results to subnormals or 0, as libm
+// does). About 1-2 ulp, as exp_fast, in 8 multiply-adds instead of 13.
+inline __m512d exp8(__m512d z) {
+    const __m512d tab = _mm512_setr_pd(0x1.0000000000000p+0, 0x1.172b83c7d517bp+0, 0x1.306fe0a31b715p+0, 0x1.4bfdad5362a27p+0,
+                                       0x1.6a09e667f3bcdp+0, 0x1.8ace5422aa0dbp+0, 0x1.ae89f995ad3adp+0, 0x1.d5818dcfba487p+0);
+    const __m512d shift = _mm512_set1_pd(0x1.8p52);
+    z = _mm512_max_pd(z, _mm512_set1_pd(-746.0));  // exp(-746) rounds to 0 (and -inf would give NaN)
+    __m512d kd = _mm512_fmadd_pd(z, _mm512_set1_pd(8.0 * 1.4426950408889634), shift);
+    __m512i ki = _mm512_castpd_si512(kd);  // the low bits are k = round(8 z / ln2): permutexvar reads k & 7
+    kd = _mm512_sub_pd(kd, shift);
+    __m512d r = _mm512_fnmadd_pd(kd, _mm512_set1_pd(6.93147180369123816490e-01 / 8), z);  // 32-bit ln2_hi: exact
+    r = _mm512_fnmadd_pd(kd, _mm512_set1_pd(1.90821492927058770002e-10 / 8), r);
+    __m512d p = _mm512_set1_pd(1.0 / 40320.0);
+    p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0 / 5040.0));
+    p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0 / 720.0));
+    p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0 / 120.0));
+    p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0 / 24.0));
+    p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0 / 6.0));
+    p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(0.5));
+    p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0));
+    p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0));
+    __m512d e = _mm512_roundscale_pd(_mm512_mul_pd(kd, _mm512_set1_pd(0.125)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    return _mm512_scalef_pd(_mm512_mul_pd(p, _mm512_permutexvar_pd(ki, tab)), e);
+}
+#endif
+
+// out[i] = exp((x[i] - m) * inv_t) for x[i] <= m; returns their sum (results below ~3e-308 may be
+// left out of it: the sum holds exp(0) = 1)
+template <class T>
+double exp_scaled(const T* x, int n, double m, double inv_t, double* out) {
     double s = 0.0;
-#pragma omp simd reduction(+ : s)
-    for (int i = 0; i < n; i++) {
-        double z = static_cast<double>(row[i]) - m;
+    int i = 0;
+#if defined(__AVX512F__)
+    const __m512d mv = _mm512_set1_pd(m), tv = _mm512_set1_pd(inv_t);
+    __m512d acc = _mm512_setzero_pd();
+    for (; i + 8 <= n; i += 8) {
+        __m512d xv;
+        if constexpr (std::is_same_v<T, float>)
+            xv = _mm512_cvtps_pd(_mm256_loadu_ps(x + i));
+        else
+            xv = _mm512_loadu_pd(x + i);
+        __m512d e = exp8(_mm512_mul_pd(_mm512_sub_pd(xv, mv), tv));
+        _mm512_storeu_pd(out + i, e);
+        acc = _mm512_add_pd(acc, e);
+    }
+    s = _mm512_reduce_add_pd(acc);
+#endif
+    int low = 0;
+#pragma omp simd reduction(+ : s, low)
+    for (int j = i; j < n; j++) {
+        double z = (as_double(x[j]) - m) * inv_t;
+        low += z < EXP_MIN;
         double e = exp_fast(std::max(z, EXP_MIN));
-        s += z >= EXP_MIN ? e : 0.0;
+        out[j] = z >= EXP_MIN ? e : 0.0;
+        s += out[j];
+    }
+    if (low) {  // below exp_fast's domain: subnormal or zero, as numpy has them
+        for (int j = i; j < n; j++) {
+            double z = (as_double(x[j]) - m) * inv_t;
+            if (z < EXP_MIN) out[j] = std::exp(z);
+        }
+    }
+    return s;
+}
+
+// exp(x) in float for -87 <= x <= 0, as exp_fast: 2^k times a degree-7 Taylor series of exp(r),
+// |r| <= ln2/2 (truncation r^8/8! < 2.5e-9); about 2e-7 relative
+inline float exp_fast_f(float x) {
+    constexpr float log2e = 1.44269504f;
+    constexpr float ln2_hi = 0.693145752f;  // 16 significant bits: k * ln2_hi is exact
+    constexpr float ln2_lo = 1.42860677e-06f;
+    constexpr float shift = 0x1.8p23f;
+    float kf = x * log2e + shift;
+    uint32_t ki;
+    std::memcpy(&ki, &kf, sizeof ki);
+    kf -= shift;
+    float r = (x - kf * ln2_hi) - kf * ln2_lo;
+    float p = 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    uint32_t sbits = (ki + 127u) << 23;  // 2^k
+    float scale;
+    std::memcpy(&scale, &sbits, sizeof scale);
+    return p * scale;
+}
+
+// sum_i exp(row[i] - m) for the draft's confidence q(argmax) = 1 / that sum (drafters/model.pick):
+// float32 exps summed in double, m >= every row[i] (a float logit). Agrees with the float64
+// figure to ~4e-7 relative: the confidence only steers the controller's draft length, never which
+// token is drafted or accepted, and float32 halves the time of this vocabulary-wide sum.
+double sum_exp_conf(const float* row, int n, float m) {
+    double s = 0.0;
+    for (int i0 = 0; i0 < n; i0 += 1024) {  // float partial sums of 1024 terms (<= 1024 each), then double
+        int i1 = std::min(n, i0 + 1024);
+        float b = 0.0f;
+#pragma omp simd reduction(+ : b)
+        for (int i = i0; i < i1; i++) {
+            float z = row[i] - m;  // rounded to float: a relative error of |z| 6e-8 on terms of size exp(z)
+            float e = exp_fast_f(std::max(z, -87.0f));
+            b += z >= -87.0f ? e : 0.0f;
+        }
+        s += b;
     }
     return s;
 }
@@ -179,10 +285,16 @@ struct Dist {
 // Processing of logits into p: top-k, top-p (on the logits at temperature 1), temperature,
 // in the order and with the tie rules of eesd_local.sampling.probs.
 struct Probs {
-    std::vector<int> idx, keep, order;
+    std::vector<int> idx, keep, order, part_;
     std::vector<float> vals;
     std::vector<double> w_, bins_, dense_;
     std::vector<int> cbin_;
+
+    // scratch buffers only grow (resize would zero what it adds, every time a longer row comes)
+    template <class T>
+    static void grow(std::vector<T>& v, size_t n) {
+        if (v.size() < n) v.resize(n);
+    }
 
     // order of _top_p: larger logit first, among equal logits the lower index
     static bool before(const float* row, int a, int b) { return row[a] > row[b] || (row[a] == row[b] && a < b); }
@@ -195,17 +307,17 @@ struct Probs {
         if (n >= 8192 && k <= n / 16) {
             constexpr int S = 2048;
             int stride = n / S;
-            vals.resize(S);
+            grow(vals, S);
             for (int s = 0; s < S; s++) vals[s] = row[static_cast<size_t>(s) * stride];
             int r = std::min(S - 1, static_cast<int>(2 * static_cast<int64_t>(k) * S / n) + 16);  // descending rank
-            std::nth_element(vals.begin(), vals.begin() + r, vals.end(), std::greater<float>());
+            std::nth_element(vals.begin(), vals.begin() + r, vals.begin() + S, std::greater<float>());
             t = vals[r];
         }
         int c = collect_at_least(row, n, t);
         if (c < k) c = collect_at_least(row, n, -INFINITY);
-        vals.resize(c);
+        grow(vals, c);
         for (int j = 0; j < c; j++) vals[j] = row[idx[j]];
-        std::nth_element(vals.begin(), vals.begin() + (c - k), vals.end());
+        std::nth_element(vals.begin(), vals.begin() + (c - k), vals.begin() + c);
         float thr = vals[c - k];  // the k-th largest logit
         int above = 0;
         for (int j = 0; j < c; j++) above += row[idx[j]] > thr;
@@ -219,7 +331,7 @@ struct Probs {
 
     // idx[0..c) = the indices i (ascending) with row[i] >= t; returns c
     int collect_at_least(const float* row, int n, float t) {
-        idx.resize(static_cast<size_t>(n) + 16);  // compressed stores write whole vectors
+        grow(idx, static_cast<size_t>(n) + 16);  // compressed stores write whole vectors
         int c = 0, i = 0;
 #if defined(__AVX512F__)
         const __m512 tv = _mm512_set1_ps(t);
@@ -241,13 +353,75 @@ struct Probs {
         return c;
     }
 
+    // collect_at_least, and cbin_[j] = top_p_bin(row[idx[j]], m) beside it
+    int collect_binned(const float* row, int n, float t, double m) {
+        grow(idx, static_cast<size_t>(n) + 16);
+        grow(cbin_, static_cast<size_t>(n) + 16);
+        int c = 0, i = 0;
+        int* ix = idx.data();
+        int* cb = cbin_.data();
+#if defined(__AVX512F__)
+        const __m512 tv = _mm512_set1_ps(t);
+        const __m512d mv = _mm512_set1_pd(m), per_nat = _mm512_set1_pd(TOP_P_BINS_PER_NAT),
+                      last = _mm512_set1_pd(TOP_P_BINS - 1);
+        __m512i iv = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        const __m512i step = _mm512_set1_epi32(16);
+        for (; i + 16 <= n; i += 16) {
+            __m512 x = _mm512_loadu_ps(row + i);
+            __mmask16 hit = _mm512_cmp_ps_mask(x, tv, _CMP_GE_OQ);
+            if (hit) {  // the bin as top_p_bin: (m - x) * 32 in float64, capped, truncated
+                __m512d lo = _mm512_min_pd(_mm512_mul_pd(_mm512_sub_pd(mv, _mm512_cvtps_pd(_mm512_castps512_ps256(x))), per_nat), last);
+                __m512d hi = _mm512_min_pd(
+                    _mm512_mul_pd(_mm512_sub_pd(mv, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)))), per_nat),
+                    last);
+                __m512i b = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvttpd_epi32(lo)), _mm512_cvttpd_epi32(hi), 1);
+                _mm512_storeu_si512(ix + c, _mm512_maskz_compress_epi32(hit, iv));
+                _mm512_storeu_si512(cb + c, _mm512_maskz_compress_epi32(hit, b));
+                c += __builtin_popcount(hit);
+            }
+            iv = _mm512_add_epi32(iv, step);
+        }
+#endif
+        for (; i < n; i++) {
+            ix[c] = i;
+            cb[c] = top_p_bin(row[i], m);
+            c += row[i] >= t;
+        }
+        return c;
+    }
+
+    // the candidates ix[0..c) with bin cb < cut to lo[0..o), those with cb == cut to eq[0..q)
+    static void split(const int* ix, const int* cb, int c, int cut, int* lo, int& o, int* eq, int& q) {
+        o = q = 0;
+        int j = 0;
+#if defined(__AVX512F__)
+        const __m512i cv = _mm512_set1_epi32(cut);
+        for (; j + 16 <= c; j += 16) {
+            __m512i b = _mm512_loadu_si512(cb + j), v = _mm512_loadu_si512(ix + j);
+            __mmask16 l = _mm512_cmplt_epi32_mask(b, cv), e = _mm512_cmpeq_epi32_mask(b, cv);
+            _mm512_storeu_si512(lo + o, _mm512_maskz_compress_epi32(l, v));
+            o += __builtin_popcount(l);
+            if (e) {
+                _mm512_storeu_si512(eq + q, _mm512_maskz_compress_epi32(e, v));
+                q += __builtin_popcount(e);
+            }
+        }
+#endif
+        for (; j < c; j++) {
+            lo[o] = ix[j];
+            o += cb[j] < cut;
+            eq[q] = ix[j];
+            q += cb[j] == cut;
+        }
+    }
+
     // sampling._top_p after top-k: the smallest prefix, in the order of before(), of the survivors
     // (in keep) whose mass in their own softmax (temperature 1) reaches top_p
     void top_p_of(const float* row, double top_p, std::vector<int>& keep) {
         auto cmp = [row](int a, int b) { return before(row, a, b); };
         std::sort(keep.begin(), keep.end(), cmp);
         double m = row[keep[0]], total = 0.0;
-        w_.resize(keep.size());
+        grow(w_, keep.size());
         for (size_t j = 0; j < keep.size(); j++) total += w_[j] = exp_neg(static_cast<double>(row[keep[j]]) - m);
         double need = top_p * total, acc = 0.0;
         for (size_t j = 0; j < keep.size(); j++) {
@@ -260,57 +434,85 @@ struct Probs {
     }
 
     // sampling._top_p over the whole vocabulary: the candidates are the logits within `span` nats
-    // of the largest, for the first span (4, 8, .., 64) whose mass reaches top_p; their mass per
-    // logit bin gives the bin where the cumulative mass crosses top_p, and only that bin is sorted
+    // of the largest, for a span (4, 8, 16 nats, or everything) whose mass reaches top_p; their mass
+    // per logit bin gives the bin where the cumulative mass crosses top_p, and only that bin is sorted
     void top_p_all(const float* row, int n, double top_p, std::vector<int>& out) {
-        double m = max_of(row, n), total = 0.0;
-        w_.resize(n);
+        // one pass: every weight, their total, and the mass within 4, 8 and 16 nats of the largest
+        // logit (z >= -span is Python's x >= m - span: both exact in float64). Python tries 32 and
+        // 64 nats as well; any span holding top_p of the mass gives the same set (the bins below
+        // decide it), so where 16 does not, all tokens are candidates.
+        double m = max_of(row, n), total = 0.0, h0 = 0.0, h1 = 0.0, h2 = 0.0;
+        grow(w_, n);
         double* w = w_.data();
-#pragma omp simd reduction(+ : total)
-        for (int i = 0; i < n; i++) {
+        int i0 = 0;
+#if defined(__AVX512F__)
+        {
+            const __m512d mv = _mm512_set1_pd(m), s4 = _mm512_set1_pd(-4.0), s8 = _mm512_set1_pd(-8.0),
+                          s16 = _mm512_set1_pd(-16.0);
+            __m512d vt = _mm512_setzero_pd(), v0 = vt, v1 = vt, v2 = vt;
+            for (; i0 + 8 <= n; i0 += 8) {
+                __m512d z = _mm512_sub_pd(_mm512_cvtps_pd(_mm256_loadu_ps(row + i0)), mv);
+                __m512d e = exp8(z);
+                _mm512_storeu_pd(w + i0, e);
+                vt = _mm512_add_pd(vt, e);
+                v0 = _mm512_mask_add_pd(v0, _mm512_cmp_pd_mask(z, s4, _CMP_GE_OQ), v0, e);
+                v1 = _mm512_mask_add_pd(v1, _mm512_cmp_pd_mask(z, s8, _CMP_GE_OQ), v1, e);
+                v2 = _mm512_mask_add_pd(v2, _mm512_cmp_pd_mask(z, s16, _CMP_GE_OQ), v2, e);
+            }
+            total = _mm512_reduce_add_pd(vt);
+            h0 = _mm512_reduce_add_pd(v0);
+            h1 = _mm512_reduce_add_pd(v1);
+            h2 = _mm512_reduce_add_pd(v2);
+        }
+#endif
+#pragma omp simd reduction(+ : total, h0, h1, h2)
+        for (int i = i0; i < n; i++) {  // the tail (or, without AVX-512, everything)
             double z = static_cast<double>(row[i]) - m;
             double e = z >= EXP_MIN ? exp_fast(std::max(z, EXP_MIN)) : 0.0;  // below: < 3e-308 of a sum >= 1
             w[i] = e;
             total += e;
+            h0 += z >= -4.0 ? e : 0.0;
+            h1 += z >= -8.0 ? e : 0.0;
+            h2 += z >= -16.0 ? e : 0.0;
         }
-        double need = top_p * total, held = 0.0;
-        int c = 0;
-        for (double span = 4.0;; span *= 2.0) {
-            c = span > 64.0 ? collect_at_least(row, n, -INFINITY) : collect_at_least(row, n, static_cast<float>(m - span));
-            held = 0.0;
-            const int* ix = idx.data();
-#pragma omp simd reduction(+ : held)
-            for (int j = 0; j < c; j++) held += w[ix[j]];
-            if (held >= need || span > 64.0) break;
+        double need = top_p * total;
+        const double held[3] = {h0, h1, h2};
+        int s = 0;
+        while (s < 3 && held[s] < need) s++;
+        float t = -INFINITY;  // the smallest float >= m - span: row[i] >= t is row[i] >= m - span
+        if (s < 3) {
+            double lim = m - 4.0 * (1 << s);
+            t = static_cast<float>(lim);
+            if (static_cast<double>(t) < lim) t = std::nextafter(t, INFINITY);
         }
-        bins_.assign(TOP_P_BINS, 0.0);
-        cbin_.resize(c);
-        int* cb = cbin_.data();
-        for (int j = 0; j < c; j++) {
-            int i = idx[j];
-            cb[j] = top_p_bin(row[i], m);
-            bins_[cb[j]] += w[i];
-        }
+        int c = collect_binned(row, n, t, m);
+        // mass per bin, in four interleaved histograms (one long chain of dependent adds otherwise)
+        bins_.assign(4 * TOP_P_BINS, 0.0);
+        const int* cb = cbin_.data();
+        const int* ix = idx.data();
+        double* bins = bins_.data();
+        for (int j = 0; j < c; j++) bins[(j & 3) * TOP_P_BINS + cb[j]] += w[ix[j]];
+        for (int b = 0; b < TOP_P_BINS; b++)
+            bins[b] = (bins[b] + bins[TOP_P_BINS + b]) + (bins[2 * TOP_P_BINS + b] + bins[3 * TOP_P_BINS + b]);
         double acc = 0.0;
         int cut = 0;
         for (; cut < TOP_P_BINS - 1; cut++) {
-            if (acc + bins_[cut] >= need) break;
-            acc += bins_[cut];
+            if (acc + bins[cut] >= need) break;
+            acc += bins[cut];
         }
-        out.resize(c);
-        order.clear();
-        int o = 0;
-        int* dst = out.data();
-        const int* ix = idx.data();
-        for (int j = 0; j < c; j++) {
-            if (cb[j] < cut) dst[o++] = ix[j];
-            else if (cb[j] == cut) order.push_back(ix[j]);
-        }
-        out.resize(o);
+        // the bins before the cut are in; the cut's bin is sorted and taken until the mass reaches top_p
+        grow(part_, static_cast<size_t>(n) + 16);
+        grow(order, static_cast<size_t>(n) + 16);
+        int o, q;
+        int* dst = part_.data();
+        int* mid = order.data();
+        split(ix, cb, c, cut, dst, o, mid, q);
+        out.assign(dst, dst + o);
         auto cmp = [row](int a, int b) { return before(row, a, b); };
-        std::sort(order.begin(), order.end(), cmp);
+        std::sort(mid, mid + q, cmp);
         size_t head = out.size();  // out[0, head) ascends (idx does): merge the crossing bin's share in
-        for (int i : order) {
+        for (int j = 0; j < q; j++) {
+            int i = mid[j];
             out.push_back(i);
             acc += w[i];
             if (acc >= need) break;
@@ -351,27 +553,11 @@ struct Probs {
             // gather the support's logits, exp them in one vectorised pass, scatter the result
             int len = static_cast<int>(out.sup.size());
             const int* sup = out.sup.data();
-            dense_.resize(len);
+            grow(dense_, len);
             double* z = dense_.data();
             double m = -INFINITY;
             for (int j = 0; j < len; j++) m = std::max(m, z[j] = static_cast<double>(row[sup[j]]));
-            double s = 0.0;
-            int low = 0;
-#pragma omp simd reduction(+ : s, low)
-            for (int j = 0; j < len; j++) {
-                double x = (z[j] - m) * inv_t;
-                low += x < EXP_MIN;
-                double e = exp_fast(std::max(x, EXP_MIN));
-                z[j] = x >= EXP_MIN ? e : 0.0;
-                s += z[j];
-            }
-            if (low) {  // below exp_fast's domain: subnormal or zero, as numpy has them
-                for (int j = 0; j < len; j++) {
-                    double x = (static_cast<double>(row[sup[j]]) - m) * inv_t;
-                    if (x < EXP_MIN) z[j] = std::exp(x);
-                }
-            }
-            double inv_s = 1.0 / s;
+            double inv_s = 1.0 / exp_scaled(z, len, m, inv_t, z);
             double* v = out.v.data();
             for (int j = 0; j < len; j++) v[sup[j]] = z[j] * inv_s;
             return;
@@ -380,23 +566,7 @@ struct Probs {
         out.sup.clear();
         out.v.resize(n);
         double* v = out.v.data();
-        double m = max_of(row, n), s = 0.0;
-        int low = 0;
-#pragma omp simd reduction(+ : s, low)
-        for (int i = 0; i < n; i++) {
-            double z = (static_cast<double>(row[i]) - m) * inv_t;
-            low += z < EXP_MIN;
-            double e = exp_fast(std::max(z, EXP_MIN));
-            v[i] = e;
-            s += z >= EXP_MIN ? e : 0.0;
-        }
-        if (low) {  // below exp_fast's domain: subnormal or zero, as numpy has them
-            for (int i = 0; i < n; i++) {
-                double z = (static_cast<double>(row[i]) - m) * inv_t;
-                if (z < EXP_MIN) v[i] = std::exp(z);
-            }
-        }
-        double inv_s = 1.0 / s;
+        double inv_s = 1.0 / exp_scaled(row, n, static_cast<double>(max_of(row, n)), inv_t, v);
 #pragma omp simd
         for (int i = 0; i < n; i++) v[i] *= inv_s;
     }
@@ -452,37 +622,19 @@ int sample(const Dist& d, const double* w, int skip, TokenRng& rng, std::vector<
 
 // first index of the largest logit, as np.argmax: a vectorised max, then a scan for it
 int argmax(const float* row, int n) {
+    // the largest value (max_of keeps four independent chains; a single value-and-index chain
+    // is latency-bound at ~5 cycles a vector), then the first index holding it
+    float best = max_of(row, n);
+    int i = 0;
 #if defined(__AVX512F__)
-    // one pass: each of the 16 lanes keeps its largest value and the first index holding it
-    // (strict >); the answer is the smallest index among the lanes holding the overall max
-    if (n >= 16) {
-        int i;
-        __m512 bv = _mm512_loadu_ps(row);
-        __m512i iv = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), bi = iv;
-        const __m512i step = _mm512_set1_epi32(16);
-        for (i = 16; i + 16 <= n; i += 16) {
-            iv = _mm512_add_epi32(iv, step);
-            __m512 v = _mm512_loadu_ps(row + i);
-            __mmask16 gt = _mm512_cmp_ps_mask(v, bv, _CMP_GT_OQ);
-            bv = _mm512_mask_mov_ps(bv, gt, v);
-            bi = _mm512_mask_mov_epi32(bi, gt, iv);
-        }
-        alignas(64) float vals[16];
-        alignas(64) int idxs[16];
-        _mm512_store_ps(vals, bv);
-        _mm512_store_si512(idxs, bi);
-        int at = idxs[0];
-        float best = vals[0];
-        for (int l = 1; l < 16; l++)
-            if (vals[l] > best || (vals[l] == best && idxs[l] < at)) best = vals[l], at = idxs[l];
-        for (; i < n; i++)
-            if (row[i] > best) best = row[i], at = i;
-        return at;
+    const __m512 bv = _mm512_set1_ps(best);
+    for (; i + 16 <= n; i += 16) {
+        __mmask16 eq = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + i), bv, _CMP_EQ_OQ);
+        if (eq) return i + __builtin_ctz(eq);
     }
 #endif
-    float best = max_of(row, n);  // otherwise: the largest value, then its first index
-    for (int j = 0; j < n; j++)
-        if (row[j] == best) return j;
+    for (; i < n; i++)
+        if (row[i] == best) return i;
     return 0;
 }
 
@@ -610,6 +762,94 @@ class Rounds {
     // One round; returns (drafted tokens, accepted m, next token, t_draft, t_verify, t_llama, rng state).
     py::tuple run(StateArray state, size_t n_history, int max_n, int mode, std::vector<llama_token> cands, double cand_conf,
                   double temperature, int top_k, double top_p, uint64_t rng_state) {
+        check_call(n_history, mode);
+        max_n = std::max(0, max_n);
+        check_fits(max_n);
+        for (llama_token t : cands)
+            if (t < 0 || t >= tgt_.n_vocab) throw py::value_error(("proposed token " + std::to_string(t) + " is outside the vocabulary").c_str());
+        Sampling sp{temperature == 0.0, temperature, top_k, top_p};
+        TokenRng rng{rng_state};
+        auto [st, n_st] = controller_state(state);
+        RoundOut r;
+        double t_llama = 0.0;
+        {
+            py::gil_scoped_release unlocked;
+            one_round(st, n_st, max_n, mode, cands, cand_conf, sp, rng, r, t_llama);
+        }
+        return py::make_tuple(drafted_, r.m, r.nxt, r.t_draft, r.t_verify, t_llama, rng.s);
+    }
+
+    // Rounds one after another in one call, as the engine would ask for them: round r drafts at most
+    // min(draft_max, left_r - 1, room_r - 1) tokens (left_r: tokens still wanted, room_r: free KV
+    // positions), and the batch ends after a round that emits an end-of-generation token, when no
+    // token is wanted or fits any more, after max_rounds, once budget_s seconds have passed, or when
+    // cancel[0] is set (another thread may set it). Returns ([(drafted, accepted, next token, t_draft,
+    // t_verify, max_n, room before the round)], t_llama, rng state). An error in a round after the
+    // first ends the batch with the rounds before it; the next call raises it.
+    py::tuple run_batch(StateArray state, size_t n_history, int draft_max, int left, int mode, double temperature, int top_k,
+                        double top_p, uint64_t rng_state, double budget_s, int max_rounds,
+                        py::array_t<uint8_t, py::array::c_style> cancel) {
+        if (pending_) {
+            std::exception_ptr e = pending_;
+            pending_ = nullptr;
+            std::rethrow_exception(e);
+        }
+        check_call(n_history, mode);
+        draft_max = std::max(0, draft_max);
+        check_fits(draft_max);
+        if (cancel.ndim() != 1 || cancel.shape(0) < 1) throw py::value_error("cancel must be a 1-d uint8 array of size >= 1");
+        Sampling sp{temperature == 0.0, temperature, top_k, top_p};
+        TokenRng rng{rng_state};
+        auto [st, n_st] = controller_state(state);
+        const volatile uint8_t* stop = cancel.data();
+        const llama_vocab* vocab = llama_model_get_vocab(llama_get_model(tgt_.ctx));
+        std::vector<llama_token> none;
+        rec_tok_.clear();
+        recs_.clear();
+        double t_llama = 0.0;
+        {
+            py::gil_scoped_release unlocked;
+            double start = now_s();
+            while (static_cast<int>(recs_.size()) < std::max(1, max_rounds)) {
+                int room = tgt_.room();
+                if (room < 1 || left < 1) break;
+                int max_n = std::max(0, std::min({draft_max, left - 1, room - 1}));
+                RoundOut r;
+                try {
+                    one_round(st, n_st, max_n, mode, none, 0.0, sp, rng, r, t_llama);
+                } catch (...) {
+                    if (recs_.empty()) throw;
+                    pending_ = std::current_exception();  // the engine sees the rounds before it first
+                    break;
+                }
+                r.max_n = max_n;
+                r.room = room;
+                r.first = static_cast<int>(rec_tok_.size());
+                rec_tok_.insert(rec_tok_.end(), drafted_.begin(), drafted_.end());
+                recs_.push_back(r);
+                bool eog = r.nxt >= 0 && llama_vocab_is_eog(vocab, r.nxt);
+                for (int i = 0; i < r.m && !eog; i++) eog = llama_vocab_is_eog(vocab, drafted_[i]);
+                left -= r.m + (r.nxt >= 0);
+                if (eog || *stop || now_s() - start >= budget_s) break;
+            }
+        }
+        py::list out(recs_.size());
+        for (size_t i = 0; i < recs_.size(); i++) {
+            const RoundOut& r = recs_[i];
+            size_t end = i + 1 < recs_.size() ? recs_[i + 1].first : rec_tok_.size();
+            std::vector<llama_token> d(rec_tok_.begin() + r.first, rec_tok_.begin() + end);
+            out[i] = py::make_tuple(std::move(d), r.m, r.nxt, r.t_draft, r.t_verify, r.max_n, r.room);
+        }
+        return py::make_tuple(out, t_llama, rng.s);
+    }
+
+  private:
+    struct RoundOut {
+        int m = 0, nxt = 0, max_n = 0, room = 0, first = 0;
+        double t_draft = 0.0, t_verify = 0.0;
+    };
+
+    void check_call(size_t n_history, int mode) {
         open_target();
         if (history_.empty()) throw py::value_error("set_history() first: the round continues a history");
         if (n_history != history_.size())
@@ -617,63 +857,64 @@ class Rounds {
                                    std::to_string(history_.size()) + ": set_history() after changing it").c_str());
         if (mode < NONE || mode > MODEL) throw py::value_error("mode must be 0 (none), 1 (lookup) or 2 (draft model)");
         if (mode == MODEL && !dft_.ctx) throw py::value_error("mode 2 needs a draft context");
-        max_n = std::max(0, max_n);
+    }
+    void check_fits(int max_n) {
         if (max_n + 1 > tgt_.n_batch)
             throw py::value_error(("a draft of up to " + std::to_string(max_n) + " tokens plus the last one does not fit "
                                    "the target's batch of " + std::to_string(tgt_.n_batch) +
                                    ": lower draft_max or raise n_batch").c_str());
-        for (llama_token t : cands)
-            if (t < 0 || t >= tgt_.n_vocab) throw py::value_error(("proposed token " + std::to_string(t) + " is outside the vocabulary").c_str());
-        Sampling sp{temperature == 0.0, temperature, top_k, top_p};
-        TokenRng rng{rng_state};
+    }
+    static std::pair<double*, int64_t> controller_state(StateArray& state) {
         if (state.ndim() != 1) throw py::value_error("the controller state must be a 1-d float64 array");
-        double* st = state.mutable_data();
-        int64_t n_st = static_cast<int64_t>(state.shape(0));
-        int m = 0, nxt = 0;
-        double t_draft, t_verify, t_llama = 0.0;
-        {
-            py::gil_scoped_release unlocked;
-            begin_(st, n_st);
-            double t1 = now_s();
-            drafted_.clear();
-            conf_.clear();
-            point_.clear();
-            if (ngram_max_ > 0 && mode != NONE) {  // the lookup drafter runs here rather than in Python
-                int n_match = lookup(std::max(0, max_n), cands);
-                cand_conf = static_cast<double>(n_match) / ngram_max_;  // a longer matched n-gram is a safer bet
-            }
-            if (mode == POINT) propose_point(st, n_st, max_n, cands, cand_conf);
-            if (mode == MODEL) propose_model(st, n_st, max_n, cands, sp, rng, t_llama);
-            double t2 = now_s();
-            int k = static_cast<int>(drafted_.size());
-            // a probe verifies its drafts without the bonus: [last, d1..d(k-1)], k rows (engine.PythonRounds)
-            bool bonus = k == 0 || no_bonus_slot_ < 0 || no_bonus_slot_ >= n_st || st[no_bonus_slot_] == 0.0;
-            int n_rows = bonus ? k + 1 : k;
-            size_t n_keep = tgt_.tokens.size() + 1;  // the cache keeps `last` ...
-            batch_.assign(1, history_.back());
-            batch_.insert(batch_.end(), drafted_.begin(), drafted_.begin() + (n_rows - 1));
-            tgt_.decode(batch_.data(), n_rows, n_rows, t_llama);
-            if (sp.greedy)
-                verify_greedy(k, bonus, m, nxt);
-            else
-                verify_sampled(k, bonus, sp, rng, m, nxt);
-            tgt_.trim(n_keep + std::min(m, n_rows - 1));  // ... and the accepted drafts it decoded; the rest is rolled back
-            double t3 = now_s();
-            t_draft = t2 - t1;
-            t_verify = t3 - t2;
-            update_(st, n_st, conf_.data(), static_cast<int64_t>(conf_.size()), m, t_draft, t_verify);
-            history_.insert(history_.end(), drafted_.begin(), drafted_.begin() + m);
-            if (nxt >= 0) history_.push_back(nxt);  // -1: a probe whose drafts were all accepted
-        }
-        return py::make_tuple(drafted_, m, nxt, t_draft, t_verify, t_llama, rng.s);
+        return {state.mutable_data(), static_cast<int64_t>(state.shape(0))};
     }
 
-  private:
+    // one round (the GIL released): draft, verify in one decode, accept, trim, tell the controller
+    void one_round(double* st, int64_t n_st, int max_n, int mode, std::vector<llama_token>& cands, double cand_conf,
+                   const Sampling& sp, TokenRng& rng, RoundOut& r, double& t_llama) {
+        begin_(st, n_st);
+        double t1 = now_s();
+        drafted_.clear();
+        conf_.clear();
+        point_.clear();
+        if (ngram_max_ > 0 && mode != NONE) {  // the lookup drafter runs here rather than in Python
+            int n_match = lookup(std::max(0, max_n), cands);
+            cand_conf = static_cast<double>(n_match) / ngram_max_;  // a longer matched n-gram is a safer bet
+        }
+        if (mode == POINT) propose_point(st, n_st, max_n, cands, cand_conf);
+        if (mode == MODEL) propose_model(st, n_st, max_n, cands, sp, rng, t_llama);
+        double t2 = now_s();
+        int k = static_cast<int>(drafted_.size());
+        // a probe verifies its drafts without the bonus: [last, d1..d(k-1)], k rows (engine.PythonRounds)
+        bool bonus = k == 0 || no_bonus_slot_ < 0 || no_bonus_slot_ >= n_st || st[no_bonus_slot_] == 0.0;
+        int n_rows = bonus ? k + 1 : k;
+        size_t n_keep = tgt_.tokens.size() + 1;  // the cache keeps `last` ...
+        batch_.assign(1, history_.back());
+        batch_.insert(batch_.end(), drafted_.begin(), drafted_.begin() + (n_rows - 1));
+        tgt_.decode(batch_.data(), n_rows, n_rows, t_llama);
+        int m = 0, nxt = 0;
+        if (sp.greedy)
+            verify_greedy(k, bonus, m, nxt);
+        else
+            verify_sampled(k, bonus, sp, rng, m, nxt);
+        tgt_.trim(n_keep + std::min(m, n_rows - 1));  // ... and the accepted drafts it decoded; the rest is rolled back
+        double t3 = now_s();
+        r.m = m;
+        r.nxt = nxt;
+        r.t_draft = t2 - t1;
+        r.t_verify = t3 - t2;
+        update_(st, n_st, conf_.data(), static_cast<int64_t>(conf_.size()), m, r.t_draft, r.t_verify);
+        history_.insert(history_.end(), drafted_.begin(), drafted_.begin() + m);
+        if (nxt >= 0) history_.push_back(nxt);  // -1: a probe whose drafts were all accepted
+    }
+
     Ctx tgt_, dft_;
     begin_fn begin_;
     decide_fn decide_;
     update_fn update_;
-    std::vector<llama_token> history_, drafted_, batch_, feed_;
+    std::vector<llama_token> history_, drafted_, batch_, feed_, rec_tok_;
+    std::vector<RoundOut> recs_;
+    std::exception_ptr pending_;  // an error in a batch's later round, raised by the next call
     std::vector<double> conf_, resid_, blocks_;
     Dist p_;
     std::vector<Dist> q_;      // q of each drafted token (sampling with a draft model)
@@ -735,7 +976,7 @@ class Rounds {
         int n = dft_.n_vocab;
         if (sp.greedy) {  // q is not needed: the confidence q(argmax) = 1 / sum_i exp(row[i] - row[argmax])
             int tok = argmax(row, n);
-            conf = 1.0 / sum_exp(row, n, static_cast<double>(row[tok]));
+            conf = 1.0 / sum_exp_conf(row, n, row[tok]);
             return tok;
         }
         if (q_.size() <= j) q_.resize(j + 1);
@@ -892,6 +1133,18 @@ PYBIND11_MODULE(_native, m) {
         .def("run", &Rounds::run, py::arg("state"), py::arg("n_history"), py::arg("max_n"), py::arg("mode"), py::arg("cands"),
              py::arg("cand_conf"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("rng_state"),
              "One round: (drafted, accepted, next token, t_draft, t_verify, t_llama, rng state).")
+        .def("run_batch", &Rounds::run_batch, py::arg("state"), py::arg("n_history"), py::arg("draft_max"), py::arg("left"),
+             py::arg("mode"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("rng_state"),
+             py::arg("budget_s"), py::arg("max_rounds"), py::arg("cancel"),
+             "Rounds until an end token, the token budget, max_rounds, budget_s seconds or cancel[0]: "
+             "([(drafted, accepted, next token, t_draft, t_verify, max_n, room)], t_llama, rng state).")
         .def("close", &Rounds::close, "Free the batches; the contexts stay with Python.");
     m.def("probs", &probs_py, py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"));
+    m.def(
+        "argmax",
+        [](py::array_t<float, py::array::c_style | py::array::forcecast> logits) {
+            if (logits.ndim() != 1 || logits.shape(0) < 1) throw py::value_error("logits must be a non-empty 1-d array");
+            return argmax(logits.data(), static_cast<int>(logits.shape(0)));
+        },
+        py::arg("logits"), "The first index of the largest logit (as numpy.argmax), for tests.");
 }

@@ -58,10 +58,10 @@ def measure(eng, prompt: list[int], native: bool, n_gen: int, max_tokens: int, *
         made.append(r)
         run = r.run
 
-        def timed_run(history, max_n):  # the round itself: draft, verify, accept, trim
+        def timed_run(*args):  # the round itself: draft, verify, accept, trim (native: a batch, then its queue)
             t = time.perf_counter()
             try:
-                return run(history, max_n)
+                return run(*args)
             finally:
                 in_round[0] += time.perf_counter() - t
 

@@ -119,17 +119,27 @@ def test_probs_agree_with_numpy_on_a_flat_distribution():
     rng = np.random.default_rng(0)
     for scale in (1.0, 2.0, 4.0):
         row = (rng.standard_normal(151936) * scale).astype(np.float32)
-        for t, k, p in [(0.8, 0, 0.95), (1.0, 0, 0.5), (1.0, 0, 0.999), (0.7, 500, 0.9)]:
+        # (0.02, 0, 1.0): exps far below 1, down to subnormals and zeros
+        for t, k, p in [(0.8, 0, 0.95), (1.0, 0, 0.5), (1.0, 0, 0.999), (0.7, 500, 0.9), (0.02, 0, 1.0), (0.05, 0, 0.9)]:
             a = probs(row, SamplingParams(temperature=t, top_k=k, top_p=p))
             b = _native.probs(row, t, k, p)
             assert np.array_equal(a > 0, b > 0)
             np.testing.assert_allclose(b, a, rtol=1e-12, atol=1e-300)
-            if k == 0:
+            if k == 0 and t >= 0.5:  # (colder, exps of the kept tokens underflow to 0 in both)
                 x = row.astype(np.float64)
                 order = np.argsort(-x, kind="stable")
                 mass = np.cumsum(np.exp(x[order] - x.max()))
                 cut = int(np.searchsorted(mass, p * mass[-1])) + 1
                 assert np.array_equal(np.flatnonzero(a), np.sort(order[:cut]))
+
+
+def test_argmax_is_numpys():
+    rng = np.random.default_rng(1)
+    for n in (1, 15, 16, 17, 151936):
+        row = rng.standard_normal(n).astype(np.float32)
+        assert _native.argmax(row) == int(np.argmax(row))
+        row[n // 3] = row[(2 * n) // 3] = row.max() + 1.0  # a tie: the first index wins
+        assert _native.argmax(row) == int(np.argmax(row)) == n // 3
 
 
 def test_token_rng_is_splitmix64():
@@ -262,3 +272,67 @@ def test_many_rounds_keep_memory_flat(tiny, monkeypatch):
         grown_kib = (rss() - before) * 4
     assert rounds > 500
     assert grown_kib < 4096, f"RSS grew by {grown_kib} KiB over {rounds} rounds"
+
+
+# --- batches: several rounds per call into the extension ------------------------------
+
+
+def _count_fetches(monkeypatch) -> list[int]:
+    calls = [0]
+    real = native_round.NativeRounds._fetch
+
+    def fetch(self, *a):
+        calls[0] += 1
+        return real(self, *a)
+
+    monkeypatch.setattr(native_round.NativeRounds, "_fetch", fetch)
+    return calls
+
+
+def test_batches_give_the_events_of_single_rounds(tiny, monkeypatch):
+    """The default batches (many rounds per call on the tiny model) and one round per call give
+    the same events, greedy and sampled, stopping at max_tokens inside a batch."""
+    target, draft = tiny
+    calls = _count_fetches(monkeypatch)
+    for kind, extra in (("lookup", {}), ("hierarchical", dict(draft_model=draft))):
+        seen = {}
+        for batch_ms in (50.0, 0.0):
+            with eesd_local.load(target, drafter=kind, n_ctx=2048, controller="fixed:4", batch_ms=batch_ms, **extra) as eng:
+                calls[0] = 0
+                got = [_events(eng, TINY_PROMPT, monkeypatch, True, max_tokens=150, **kw)
+                       for kw in (dict(), dict(temperature=0.8, top_p=0.9, seed=5))]
+                seen[batch_ms] = got, calls[0]
+        (batched, n_batched), (single, n_single) = seen[50.0], seen[0.0]
+        assert batched == single
+        n_rounds = sum(g[2][3] for g in single)
+        assert n_single == n_rounds and n_batched < n_rounds / 4, (n_batched, n_rounds)
+
+
+def test_stop_string_inside_a_batch(tiny, monkeypatch):
+    """A stop string ends the answer where the Python loop ends it, though the batch ran past it."""
+    target, _ = tiny
+    with eesd_local.load(target, drafter="lookup", n_ctx=2048, controller="fixed:4") as eng:
+        full = _events(eng, TINY_PROMPT, monkeypatch, False, max_tokens=120)
+        pieces = [t[1] for t in full[0]]
+        at = next(i for i in range(40, len(pieces)) if pieces[i].strip())  # a piece with text, well inside
+        stop = "".join(pieces[at - 1: at + 1])
+        py = _events(eng, TINY_PROMPT, monkeypatch, False, max_tokens=120, stop=[stop])
+        nat = _events(eng, TINY_PROMPT, monkeypatch, True, max_tokens=120, stop=[stop])
+        assert nat == py
+        assert py[2][0] == "stop" and py[2][2] < 120
+
+
+def test_cancel_stops_a_running_batch(tiny, monkeypatch):
+    """cancel() from another thread ends the batch being run after its current round."""
+    import threading
+
+    target, _ = tiny
+    monkeypatch.setenv("EESD_NATIVE", "1")
+    with eesd_local.load(target, drafter="none", n_ctx=4096, batch_ms=600_000.0) as eng:
+        full = eng.run(TINY_PROMPT, max_tokens=100_000).stats.n_generated  # to the end of the context
+        timer = threading.Timer(0.02, eng.cancel)
+        timer.start()
+        fin = eng.run(TINY_PROMPT, max_tokens=100_000)
+        timer.join()
+    assert fin.reason == "cancelled"
+    assert 0 < fin.stats.n_generated < full - 100, (fin.stats.n_generated, full)
