@@ -79,6 +79,10 @@ class PythonRounds:
         self.drafter.accept(history + prop.tokens[:m] + ([nxt] if nxt >= 0 else []), m)
         return RoundResult(prop.tokens, m, nxt, t2 - t1, t3 - t2)
 
+    def belief(self) -> dict[str, float]:
+        """The controller's belief after the last round (for its RoundEvent)."""
+        return native_round.belief(self.ctl)
+
     def close(self) -> None:
         pass
 
@@ -184,7 +188,7 @@ class Engine:
                 if r.next_token >= 0:  # -1: a probe whose drafts were all accepted ends on its last draft
                     pending.append((r.next_token, "bonus" if m == k and m > 0 else "target"))
                 stats.record_round(k, m, len(pending))
-                yield RoundEvent(round_no, k, m, len(pending), r.t_draft, r.t_verify, _belief(ctl))
+                yield RoundEvent(round_no, k, m, len(pending), r.t_draft, r.t_verify, rounds.belief())
         finally:
             self._live = None
             if rounds is not None:
@@ -285,13 +289,6 @@ class Engine:
 def _hit_stop(text: list[str], stop: list[str]) -> bool:
     tail = "".join(text[-64:])
     return any(s and s in tail for s in stop)
-
-
-def _belief(ctl: Any) -> dict[str, float]:
-    try:
-        return dict(ctl.belief())
-    except Exception:
-        return {}
 
 
 def _make_controller(spec: Any, draft_max: int, seed: int) -> Any:

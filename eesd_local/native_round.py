@@ -61,6 +61,14 @@ def status(drafter: Any) -> tuple[bool, str]:
     return True, "round loop: native"
 
 
+def belief(ctl: Any) -> dict[str, float]:
+    """The controller's belief for the round events ({} if it has none)."""
+    try:
+        return dict(ctl.belief())
+    except Exception:
+        return {}
+
+
 def _plan(drafter: Any) -> tuple[int, Context | None, LookupDrafter | None] | None:
     """(mode, draft context, lookup drafter) for the drafters the extension knows."""
     if isinstance(drafter, NoDrafter):
@@ -78,12 +86,6 @@ def _open(ctx: Context, what: str) -> int:
     if not getattr(ctx, "ptr", None):
         raise EesdError(f"the {what} context is closed", hint="load the engine again")
     return int(ctx.ptr)
-
-
-class _Round(NamedTuple):
-    result: RoundResult
-    max_n: int  # the draft limit it ran with
-    room: int  # free target KV positions before it
 
 
 class NativeRounds:
@@ -121,13 +123,18 @@ class NativeRounds:
             self.rounds.set_lookup(self.lookup.ngram_min, self.lookup.ngram_max)
         self._started = False
         self.draft_max, self.batch_s = draft_max, batch_s
-        self._queue: deque[_Round] = deque()  # rounds run ahead, in order
+        # rounds run ahead, in order: (drafted, accepted, next token, t_draft, t_verify, the draft
+        # limit it ran with, free target KV positions before it)
+        self._queue: deque[tuple[list[int], int, int, float, float, int, int]] = deque()
         self._cancel = np.zeros(1, dtype=np.uint8)  # read by the extension between rounds
+        self._belief: dict[str, float] | None = None  # the controller's belief after the current batch
+        self.rounds.configure(controller.state, self.mode, params.temperature, params.top_k, params.top_p, rng.state,
+                              batch_s, self._cancel)
         self.t_llama = 0.0  # seconds inside llama_decode, both contexts (for overhead measurements)
 
     def room(self) -> int:
         """Free target KV positions before the next round (a queued one's, if any)."""
-        return self._queue[0].room if self._queue else int(self.rounds.room())
+        return self._queue[0][6] if self._queue else int(self.rounds.room())
 
     def cancel(self) -> None:
         """Stop a running batch after its current round (thread-safe)."""
@@ -135,37 +142,44 @@ class NativeRounds:
 
     def run(self, history: list[int], max_n: int, left: int | None = None) -> RoundResult:
         """The next round; ``left``: tokens still wanted (lets the extension run the rounds after it)."""
-        if not self._queue:
+        queue = self._queue
+        if not queue:
             self._fetch(history, max_n, left)
-        r = self._queue.popleft()
-        if r.max_n != max_n:  # the engine and the batch must agree on every round's limit
-            raise EesdError(f"internal: the native batch drafted up to {r.max_n} tokens where {max_n} were asked")
-        return r.result
+            self._belief = None
+        drafted, m, nxt, t_draft, t_verify, limit, _ = queue.popleft()
+        if limit != max_n:  # the engine and the batch must agree on every round's limit
+            raise EesdError(f"internal: the native batch drafted up to {limit} tokens where {max_n} were asked")
+        return RoundResult(drafted, m, nxt, t_draft, t_verify)
+
+    def belief(self) -> dict[str, float]:
+        """The controller's belief after the current batch: it changed in C++, round by round, but
+        Python sees it once a batch (so all rounds of a batch report this one)."""
+        if self._belief is None:
+            self._belief = belief(self.ctl)
+        return self._belief
 
     def _fetch(self, history: list[int], max_n: int, left: int | None) -> None:
         if not self._started:  # the history is known from the first round on; the extension extends it itself
             self.rounds.set_history(history)
             self._started = True
-        _open(self.ctx, "target")
-        if self.draft_ctx is not None:
-            _open(self.draft_ctx, "draft")
-        p = self.params
-        # the engine asks for max_n = min(draft_max, left - 1, room - 1): without `left`, one round
-        draft_max, batch_s = (self.draft_max, self.batch_s) if left is not None else (max_n, 0.0)
+        if not self.ctx.ptr or (self.draft_ctx is not None and not self.draft_ctx.ptr):  # closed meanwhile
+            _open(self.ctx, "target")
+            _open(self.draft_ctx, "draft")  # type: ignore[arg-type]
         try:
-            rounds, t_llama, self.rng.state = self.rounds.run_batch(
-                self.ctl.state, len(history), draft_max, left if left is not None else max_n + 1, self.mode,
-                p.temperature, p.top_k, p.top_p, self.rng.state, batch_s, 1 if left is None else 1 << 20, self._cancel)
+            if left is None:  # the engine asks for max_n = min(draft_max, left - 1, room - 1): without `left`, one round
+                self._queue.extend(self.rounds.run_batch(len(history), max_n, max_n + 1, 1))
+            else:
+                self._queue.extend(self.rounds.run_batch(len(history), self.draft_max, left, 1 << 20))
         except self._native.ContextFull as exc:
             raise ContextFullError(str(exc), hint="start a new conversation or pass a larger --ctx") from None
-        self.t_llama += t_llama
-        self._queue.extend(_Round(RoundResult(d, m, nxt, td, tv), mx, room) for d, m, nxt, td, tv, mx, room in rounds)
 
     def close(self) -> None:
         """Hand the KV records back to the Python contexts."""
         rounds = getattr(self, "rounds", None)
         if rounds is None:
             return
+        self.rng.state = rounds.rng_state()  # the random stream goes on where the batches left it
+        self.t_llama = rounds.t_llama
         if getattr(self.ctx, "ptr", None):
             self.ctx.tokens[:] = rounds.tokens(0)
         if self.draft_ctx is not None and getattr(self.draft_ctx, "ptr", None):

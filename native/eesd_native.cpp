@@ -779,34 +779,48 @@ class Rounds {
         return py::make_tuple(drafted_, r.m, r.nxt, r.t_draft, r.t_verify, t_llama, rng.s);
     }
 
-    // Rounds one after another in one call, as the engine would ask for them: round r drafts at most
-    // min(draft_max, left_r - 1, room_r - 1) tokens (left_r: tokens still wanted, room_r: free KV
-    // positions), and the batch ends after a round that emits an end-of-generation token, when no
-    // token is wanted or fits any more, after max_rounds, once budget_s seconds have passed, or when
-    // cancel[0] is set (another thread may set it). Returns ([(drafted, accepted, next token, t_draft,
-    // t_verify, max_n, room before the round)], t_llama, rng state). An error in a round after the
-    // first ends the batch with the rounds before it; the next call raises it.
-    py::tuple run_batch(StateArray state, size_t n_history, int draft_max, int left, int mode, double temperature, int top_k,
-                        double top_p, uint64_t rng_state, double budget_s, int max_rounds,
-                        py::array_t<uint8_t, py::array::c_style> cancel) {
+    // The settings of a generation's batches: the controller's state array (kept and written in
+    // place), the drafting mode, the sampling parameters, the random stream's state, the time
+    // budget of a batch and a cancel flag that another thread may set (cancel[0] != 0).
+    void configure(StateArray state, int mode, double temperature, int top_k, double top_p, uint64_t rng_state,
+                   double budget_s, py::array_t<uint8_t, py::array::c_style> cancel) {
+        controller_state(state);
+        if (mode < NONE || mode > MODEL) throw py::value_error("mode must be 0 (none), 1 (lookup) or 2 (draft model)");
+        if (mode == MODEL && !dft_.ctx) throw py::value_error("mode 2 needs a draft context");
+        if (cancel.ndim() != 1 || cancel.shape(0) < 1) throw py::value_error("cancel must be a 1-d uint8 array of size >= 1");
+        state_ = std::move(state);
+        cancel_ = std::move(cancel);
+        mode_ = mode;
+        sp_ = Sampling{temperature == 0.0, temperature, top_k, top_p};
+        rng_ = TokenRng{rng_state};
+        budget_s_ = budget_s;
+        configured_ = true;
+    }
+    uint64_t rng_state() const { return rng_.s; }
+    double t_llama() const { return t_llama_; }  // seconds inside llama_decode over all batches
+
+    // Rounds one after another in one call (configure() first), as the engine would ask for them:
+    // round r drafts at most min(draft_max, left_r - 1, room_r - 1) tokens (left_r: tokens still
+    // wanted, room_r: free KV positions), and the batch ends after a round that emits an
+    // end-of-generation token, when no token is wanted or fits any more, after max_rounds, once the
+    // time budget has passed, or when the cancel flag is set. Returns [(drafted, accepted, next
+    // token, t_draft, t_verify, max_n, room before the round)]. An error in a round after the first
+    // ends the batch with the rounds before it; the next call raises it.
+    py::list run_batch(size_t n_history, int draft_max, int left, int max_rounds) {
         if (pending_) {
             std::exception_ptr e = pending_;
             pending_ = nullptr;
             std::rethrow_exception(e);
         }
-        check_call(n_history, mode);
+        if (!configured_) throw py::value_error("configure() first");
+        check_call(n_history, mode_);
         draft_max = std::max(0, draft_max);
         check_fits(draft_max);
-        if (cancel.ndim() != 1 || cancel.shape(0) < 1) throw py::value_error("cancel must be a 1-d uint8 array of size >= 1");
-        Sampling sp{temperature == 0.0, temperature, top_k, top_p};
-        TokenRng rng{rng_state};
-        auto [st, n_st] = controller_state(state);
-        const volatile uint8_t* stop = cancel.data();
+        auto [st, n_st] = controller_state(state_);
+        const volatile uint8_t* stop = cancel_.data();
         const llama_vocab* vocab = llama_model_get_vocab(llama_get_model(tgt_.ctx));
-        std::vector<llama_token> none;
         rec_tok_.clear();
         recs_.clear();
-        double t_llama = 0.0;
         {
             py::gil_scoped_release unlocked;
             double start = now_s();
@@ -816,7 +830,7 @@ class Rounds {
                 int max_n = std::max(0, std::min({draft_max, left - 1, room - 1}));
                 RoundOut r;
                 try {
-                    one_round(st, n_st, max_n, mode, none, 0.0, sp, rng, r, t_llama);
+                    one_round(st, n_st, max_n, mode_, cands_, 0.0, sp_, rng_, r, t_llama_);
                 } catch (...) {
                     if (recs_.empty()) throw;
                     pending_ = std::current_exception();  // the engine sees the rounds before it first
@@ -830,7 +844,7 @@ class Rounds {
                 bool eog = r.nxt >= 0 && llama_vocab_is_eog(vocab, r.nxt);
                 for (int i = 0; i < r.m && !eog; i++) eog = llama_vocab_is_eog(vocab, drafted_[i]);
                 left -= r.m + (r.nxt >= 0);
-                if (eog || *stop || now_s() - start >= budget_s) break;
+                if (eog || *stop || now_s() - start >= budget_s_) break;
             }
         }
         py::list out(recs_.size());
@@ -840,7 +854,7 @@ class Rounds {
             std::vector<llama_token> d(rec_tok_.begin() + r.first, rec_tok_.begin() + end);
             out[i] = py::make_tuple(std::move(d), r.m, r.nxt, r.t_draft, r.t_verify, r.max_n, r.room);
         }
-        return py::make_tuple(out, t_llama, rng.s);
+        return out;
     }
 
   private:
@@ -915,6 +929,15 @@ class Rounds {
     std::vector<llama_token> history_, drafted_, batch_, feed_, rec_tok_;
     std::vector<RoundOut> recs_;
     std::exception_ptr pending_;  // an error in a batch's later round, raised by the next call
+    // configure(): the batches' settings
+    StateArray state_;
+    py::array_t<uint8_t, py::array::c_style> cancel_;
+    int mode_ = NONE;
+    Sampling sp_{true, 0.0, 0, 1.0};
+    TokenRng rng_{0};
+    double budget_s_ = 0.0, t_llama_ = 0.0;
+    bool configured_ = false;
+    std::vector<llama_token> cands_;  // the lookup's proposals (run in C++)
     std::vector<double> conf_, resid_, blocks_;
     Dist p_;
     std::vector<Dist> q_;      // q of each drafted token (sampling with a draft model)
@@ -1133,11 +1156,14 @@ PYBIND11_MODULE(_native, m) {
         .def("run", &Rounds::run, py::arg("state"), py::arg("n_history"), py::arg("max_n"), py::arg("mode"), py::arg("cands"),
              py::arg("cand_conf"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("rng_state"),
              "One round: (drafted, accepted, next token, t_draft, t_verify, t_llama, rng state).")
-        .def("run_batch", &Rounds::run_batch, py::arg("state"), py::arg("n_history"), py::arg("draft_max"), py::arg("left"),
-             py::arg("mode"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("rng_state"),
-             py::arg("budget_s"), py::arg("max_rounds"), py::arg("cancel"),
-             "Rounds until an end token, the token budget, max_rounds, budget_s seconds or cancel[0]: "
-             "([(drafted, accepted, next token, t_draft, t_verify, max_n, room)], t_llama, rng state).")
+        .def("configure", &Rounds::configure, py::arg("state"), py::arg("mode"), py::arg("temperature"), py::arg("top_k"),
+             py::arg("top_p"), py::arg("rng_state"), py::arg("budget_s"), py::arg("cancel"),
+             "The settings of run_batch(): controller state, mode, sampling, random state, time budget, cancel flag.")
+        .def("run_batch", &Rounds::run_batch, py::arg("n_history"), py::arg("draft_max"), py::arg("left"), py::arg("max_rounds"),
+             "Rounds until an end token, the token budget, max_rounds, the time budget or the cancel flag: "
+             "[(drafted, accepted, next token, t_draft, t_verify, max_n, room)].")
+        .def("rng_state", &Rounds::rng_state, "The random stream's state after the batches so far.")
+        .def_property_readonly("t_llama", &Rounds::t_llama, "Seconds inside llama_decode over all batches.")
         .def("close", &Rounds::close, "Free the batches; the contexts stay with Python.");
     m.def("probs", &probs_py, py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"));
     m.def(

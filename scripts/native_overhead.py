@@ -136,7 +136,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--demo", action="store_true", help="also measure on the demo model (qwen2.5-coder-0.5b-instruct)")
     ap.add_argument("--leak", type=int, default=0, metavar="N", help="only the memory check over N native rounds")
-    ap.add_argument("--gens", type=int, default=3, help="generations per measurement (tiny model)")
+    ap.add_argument("--gens", type=int, default=2, help="generations per measurement")
     args = ap.parse_args()
     llama_cpp.llama_decode = _timed_decode  # the runtime calls llama_cpp.llama_decode through the module
     with tempfile.TemporaryDirectory() as tmp:
@@ -153,7 +153,7 @@ def main() -> None:
         def chat(eng):
             return eng.tokenize(eng.apply_chat_template([{"role": "user", "content": "Write a Python function that reverses a string."}]))
         compare("qwen2.5-coder-0.5b-instruct", "demo", [("none", {}), ("lookup", dict(controller="fixed:4")),
-                                                         ("eesd", dict(controller="fixed:4"))], chat, 1, 48)
+                                                         ("eesd", dict(controller="fixed:4"))], chat, args.gens, 64)
 
 
 if __name__ == "__main__":
