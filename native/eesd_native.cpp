@@ -11,6 +11,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -22,7 +23,17 @@
 #include <type_traits>
 #include <vector>
 #if defined(__SSE2__)
+// GCC 12's intrinsics headers use _mm*_undefined_*() values that -Wall reports as uninitialized
+// (GCC bug 105593): silenced for the header's lines only
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 #endif
 
 namespace py = pybind11;
@@ -51,36 +62,61 @@ double now_s() {
 
 constexpr double EXP_MIN = -708.0;  // exp_fast's domain is [EXP_MIN, 0]: 2^k stays a normal double
 
-// exp(x) for EXP_MIN <= x <= 0 without a branch or a call, so that loops over it vectorise:
-// x = k ln2 + r with k = round(x / ln2) and |r| <= ln2/2 (ln2 split Cody-Waite style: ln2_hi has
-// 32 significant bits, so k * ln2_hi is exact); exp(r) by its Taylor series to degree 13
-// (truncation r^14/14! < 5e-18); 2^k written straight into the exponent bits. About 1-2 ulp.
-inline double exp_fast(double x) {
-    constexpr double log2e = 1.4426950408889634;
-    constexpr double ln2_hi = 6.93147180369123816490e-01;
-    constexpr double ln2_lo = 1.90821492927058770002e-10;
-    constexpr double shift = 0x1.8p52;  // x / ln2 + shift rounds to an integer held in the low mantissa bits
-    double kd = x * log2e + shift;
-    uint64_t ki;
+// 1/0!, 1/1!, .., 1/D! (each n! is exact in a double up to 18!, so each entry is correctly rounded)
+template <int D>
+constexpr std::array<double, D + 1> inv_factorials() {
+    std::array<double, D + 1> c{};
+    double f = 1.0;
+    for (int n = 0; n <= D; n++) {
+        if (n > 0) f *= n;
+        c[n] = 1.0 / f;
+    }
+    return c;
+}
+
+// 1 + r + r^2/2! + .. + r^D/D! by Horner's rule in T (float or double; coefficients rounded to T)
+template <int D, class T>
+inline T exp_taylor(T r) {
+    constexpr auto c = inv_factorials<D>();
+    T p = static_cast<T>(c[D]);
+    for (int n = D - 1; n >= 0; n--) p = p * r + static_cast<T>(c[n]);
+    return p;
+}
+
+// The constants of exp_fast in T: ln2 split Cody-Waite style (ln2_hi has few enough significant
+// bits that k * ln2_hi is exact), the shift that rounds x / ln2 to an integer held in the low
+// mantissa bits, the Taylor degree for |r| <= ln2/2, the exponent's bias and position.
+template <class T>
+struct ExpOf;
+template <>
+struct ExpOf<double> {
+    using Bits = uint64_t;
+    static constexpr double log2e = 1.4426950408889634, ln2_hi = 6.93147180369123816490e-01,
+                            ln2_lo = 1.90821492927058770002e-10, shift = 0x1.8p52;
+    static constexpr int degree = 13, bias = 1023, mantissa = 52;  // truncation r^14/14! < 5e-18
+};
+template <>
+struct ExpOf<float> {
+    using Bits = uint32_t;
+    static constexpr float log2e = 1.44269504f, ln2_hi = 0.693145752f, ln2_lo = 1.42860677e-06f, shift = 0x1.8p23f;
+    static constexpr int degree = 7, bias = 127, mantissa = 23;  // truncation r^8/8! < 2.5e-9
+};
+
+// exp(x) for x <= 0 within T's normal range (double: EXP_MIN <= x; float: -87 <= x) without a
+// branch or a call, so that loops over it vectorise: x = k ln2 + r with k = round(x / ln2) and
+// |r| <= ln2/2; exp(r) by its Taylor series; 2^k written straight into the exponent bits.
+// About 1-2 ulp in double, ~2e-7 relative in float.
+template <class T>
+inline T exp_fast(T x) {
+    using E = ExpOf<T>;
+    T kd = x * E::log2e + E::shift;
+    typename E::Bits ki;
     std::memcpy(&ki, &kd, sizeof ki);
-    kd -= shift;
-    double r = (x - kd * ln2_hi) - kd * ln2_lo;
-    double p = 1.0 / 6227020800.0;  // 1/13!
-    p = p * r + 1.0 / 479001600.0;
-    p = p * r + 1.0 / 39916800.0;
-    p = p * r + 1.0 / 3628800.0;
-    p = p * r + 1.0 / 362880.0;
-    p = p * r + 1.0 / 40320.0;
-    p = p * r + 1.0 / 5040.0;
-    p = p * r + 1.0 / 720.0;
-    p = p * r + 1.0 / 120.0;
-    p = p * r + 1.0 / 24.0;
-    p = p * r + 1.0 / 6.0;
-    p = p * r + 0.5;
-    p = p * r + 1.0;
-    p = p * r + 1.0;
-    uint64_t sbits = (ki + 1023) << 52;  // the low bits of ki are k (two's complement): 2^k
-    double scale;
+    kd -= E::shift;
+    T r = (x - kd * E::ln2_hi) - kd * E::ln2_lo;
+    T p = exp_taylor<E::degree>(r);
+    typename E::Bits sbits = (ki + E::bias) << E::mantissa;  // the low bits of ki are k (two's complement): 2^k
+    T scale;
     std::memcpy(&scale, &sbits, sizeof scale);
     return p * scale;
 }
@@ -106,15 +142,9 @@ inline __m512d exp8(__m512d z) {
     kd = _mm512_sub_pd(kd, shift);
     __m512d r = _mm512_fnmadd_pd(kd, _mm512_set1_pd(6.93147180369123816490e-01 / 8), z);  // 32-bit ln2_hi: exact
     r = _mm512_fnmadd_pd(kd, _mm512_set1_pd(1.90821492927058770002e-10 / 8), r);
-    __m512d p = _mm512_set1_pd(1.0 / 40320.0);
-    p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0 / 5040.0));
-    p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0 / 720.0));
-    p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0 / 120.0));
-    p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0 / 24.0));
-    p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0 / 6.0));
-    p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(0.5));
-    p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0));
-    p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(1.0));
+    constexpr auto c = inv_factorials<8>();
+    __m512d p = _mm512_set1_pd(c[8]);
+    for (int n = 7; n >= 0; n--) p = _mm512_fmadd_pd(p, r, _mm512_set1_pd(c[n]));
     __m512d e = _mm512_roundscale_pd(_mm512_mul_pd(kd, _mm512_set1_pd(0.125)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     return _mm512_scalef_pd(_mm512_mul_pd(p, _mm512_permutexvar_pd(ki, tab)), e);
 }
@@ -159,32 +189,6 @@ double exp_scaled(const T* x, int n, double m, double inv_t, double* out) {
     return s;
 }
 
-// exp(x) in float for -87 <= x <= 0, as exp_fast: 2^k times a degree-7 Taylor series of exp(r),
-// |r| <= ln2/2 (truncation r^8/8! < 2.5e-9); about 2e-7 relative
-inline float exp_fast_f(float x) {
-    constexpr float log2e = 1.44269504f;
-    constexpr float ln2_hi = 0.693145752f;  // 16 significant bits: k * ln2_hi is exact
-    constexpr float ln2_lo = 1.42860677e-06f;
-    constexpr float shift = 0x1.8p23f;
-    float kf = x * log2e + shift;
-    uint32_t ki;
-    std::memcpy(&ki, &kf, sizeof ki);
-    kf -= shift;
-    float r = (x - kf * ln2_hi) - kf * ln2_lo;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    uint32_t sbits = (ki + 127u) << 23;  // 2^k
-    float scale;
-    std::memcpy(&scale, &sbits, sizeof scale);
-    return p * scale;
-}
-
 // sum_i exp(row[i] - m) for the draft's confidence q(argmax) = 1 / that sum (drafters/model.pick):
 // float32 exps summed in double, m >= every row[i] (a float logit). Agrees with the float64
 // figure to ~4e-7 relative: the confidence only steers the controller's draft length, never which
@@ -197,7 +201,7 @@ double sum_exp_conf(const float* row, int n, float m) {
 #pragma omp simd reduction(+ : b)
         for (int i = i0; i < i1; i++) {
             float z = row[i] - m;  // rounded to float: a relative error of |z| 6e-8 on terms of size exp(z)
-            float e = exp_fast_f(std::max(z, -87.0f));
+            float e = exp_fast(std::max(z, -87.0f));
             b += z >= -87.0f ? e : 0.0f;
         }
         s += b;
@@ -370,10 +374,8 @@ struct Probs {
             __m512 x = _mm512_loadu_ps(row + i);
             __mmask16 hit = _mm512_cmp_ps_mask(x, tv, _CMP_GE_OQ);
             if (hit) {  // the bin as top_p_bin: (m - x) * 32 in float64, capped, truncated
-                __m512d lo = _mm512_min_pd(_mm512_mul_pd(_mm512_sub_pd(mv, _mm512_cvtps_pd(_mm512_castps512_ps256(x))), per_nat), last);
-                __m512d hi = _mm512_min_pd(
-                    _mm512_mul_pd(_mm512_sub_pd(mv, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)))), per_nat),
-                    last);
+                __m512d lo = _mm512_min_pd(_mm512_mul_pd(_mm512_sub_pd(mv, _mm512_cvtps_pd(_mm256_loadu_ps(row + i))), per_nat), last);
+                __m512d hi = _mm512_min_pd(_mm512_mul_pd(_mm512_sub_pd(mv, _mm512_cvtps_pd(_mm256_loadu_ps(row + i + 8))), per_nat), last);
                 __m512i b = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvttpd_epi32(lo)), _mm512_cvttpd_epi32(hi), 1);
                 _mm512_storeu_si512(ix + c, _mm512_maskz_compress_epi32(hit, iv));
                 _mm512_storeu_si512(cb + c, _mm512_maskz_compress_epi32(hit, b));
