@@ -228,9 +228,24 @@ def test_bad_input_raises_never_crashes(tiny, monkeypatch):
             rounds.run(state, len(TINY_PROMPT), 2, 2, [], 0.0, 0.0, 0, 1.0, 1)
         with pytest.raises(ValueError, match="outside the vocabulary"):
             rounds.run(state, len(TINY_PROMPT), 2, 1, [10**6], 1.0, 0.0, 0, 1.0, 1)
+        # batches: settings first, then the same checks
+        with pytest.raises(ValueError, match="configure"):
+            rounds.run_batch(len(TINY_PROMPT), 2, 10, 4)
+        with pytest.raises(ValueError, match="cancel must be"):
+            rounds.configure(state, 0, 0.0, 0, 1.0, 1, 0.05, np.zeros((1, 1), dtype=np.uint8))
+        with pytest.raises(ValueError, match="draft context"):
+            rounds.configure(state, 2, 0.0, 0, 1.0, 1, 0.05, np.zeros(1, dtype=np.uint8))
+        rounds.configure(state, 0, 0.0, 0, 1.0, 1, 0.05, np.zeros(1, dtype=np.uint8))
+        with pytest.raises(ValueError, match="does not fit the target's batch of 4"):
+            rounds.run_batch(len(TINY_PROMPT), 8, 10, 4)
+        with pytest.raises(ValueError, match="history has"):
+            rounds.run_batch(3, 2, 10, 4)
+        assert len(rounds.run_batch(len(TINY_PROMPT), 2, 3, 4)) == 3  # one token a round, 3 wanted
         rounds.close()
         with pytest.raises(ValueError, match="closed"):
             rounds.run(state, len(TINY_PROMPT), 2, 0, [], 0.0, 0.0, 0, 1.0, 1)
+        with pytest.raises(ValueError, match="closed"):
+            rounds.run_batch(len(TINY_PROMPT) + 3, 2, 10, 4)
         with pytest.raises(ValueError, match="closed"):
             _native.Rounds(0, 4, 0, 0, *addresses())
         eng.ctx.close()  # a closed context: the glue refuses before any pointer is used
