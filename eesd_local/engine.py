@@ -83,6 +83,9 @@ class PythonRounds:
         """The controller's belief after the last round (for its RoundEvent)."""
         return native_round.belief(self.ctl)
 
+    def cancel(self) -> None:
+        pass  # the engine checks its own flag between rounds
+
     def close(self) -> None:
         pass
 
@@ -231,8 +234,8 @@ class Engine:
         """Ask a running generation to stop after the current round (thread-safe)."""
         self._cancel = True
         live = self._live
-        if isinstance(live, native_round.NativeRounds):
-            live.cancel()
+        if live is not None:
+            live.cancel()  # the native loop also stops a running batch
 
     # --- conveniences ----------------------------------------------------
 

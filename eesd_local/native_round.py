@@ -110,7 +110,7 @@ class NativeRounds:
         if native is None or plan is None:
             raise EesdError(f"the native round loop cannot run here: {why or drafter.name}")
         self.mode, self.draft_ctx, self.lookup = plan
-        self.ctx, self.ctl, self.params, self.rng = ctx, controller, params, rng
+        self.ctx, self.ctl, self.rng = ctx, controller, rng
         self._native = native
         draft = self.draft_ctx
         self.rounds = native.Rounds(_open(ctx, "target"), ctx.n_batch, _open(draft, "draft") if draft else 0,
@@ -122,7 +122,7 @@ class NativeRounds:
         if self.lookup is not None:  # the n-gram search runs in C++, on the history the extension holds
             self.rounds.set_lookup(self.lookup.ngram_min, self.lookup.ngram_max)
         self._started = False
-        self.draft_max, self.batch_s = draft_max, batch_s
+        self.draft_max = draft_max
         # rounds run ahead, in order: (drafted, accepted, next token, t_draft, t_verify, the draft
         # limit it ran with, free target KV positions before it)
         self._queue: deque[tuple[list[int], int, int, float, float, int, int]] = deque()

@@ -787,8 +787,7 @@ class Rounds {
     void configure(StateArray state, int mode, double temperature, int top_k, double top_p, uint64_t rng_state,
                    double budget_s, py::array_t<uint8_t, py::array::c_style> cancel) {
         controller_state(state);
-        if (mode < NONE || mode > MODEL) throw py::value_error("mode must be 0 (none), 1 (lookup) or 2 (draft model)");
-        if (mode == MODEL && !dft_.ctx) throw py::value_error("mode 2 needs a draft context");
+        check_mode(mode);
         if (cancel.ndim() != 1 || cancel.shape(0) < 1) throw py::value_error("cancel must be a 1-d uint8 array of size >= 1");
         state_ = std::move(state);
         cancel_ = std::move(cancel);
@@ -871,6 +870,9 @@ class Rounds {
         if (n_history != history_.size())
             throw py::value_error(("the history has " + std::to_string(n_history) + " tokens but the round loop holds " +
                                    std::to_string(history_.size()) + ": set_history() after changing it").c_str());
+        check_mode(mode);
+    }
+    void check_mode(int mode) {
         if (mode < NONE || mode > MODEL) throw py::value_error("mode must be 0 (none), 1 (lookup) or 2 (draft model)");
         if (mode == MODEL && !dft_.ctx) throw py::value_error("mode 2 needs a draft context");
     }
