@@ -12,15 +12,20 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import EesdError
 
-__all__ = ["EesdError", "load", "Engine", "EngineConfig"]
+__all__ = ["EesdError", "load", "LLM", "Engine", "EngineConfig"]
 
 if TYPE_CHECKING:
+    from .api import LLM, load
     from .engine import Engine, EngineConfig
 
 
 def __getattr__(name: str) -> Any:
     # the engine pulls in llama.cpp; import it only when asked for
-    if name in ("load", "Engine", "EngineConfig"):
+    if name in ("load", "LLM"):
+        from . import api
+
+        return getattr(api, name)
+    if name in ("Engine", "EngineConfig"):
         from . import engine
 
         return getattr(engine, name)

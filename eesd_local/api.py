@@ -1,16 +1,42 @@
-"""OpenAI-shaped completions on top of :meth:`Engine.generate`, as llama-cpp-python users know them."""
+"""The Python API: :func:`load` opens an :class:`LLM`, an engine with OpenAI-shaped completions
+(``create_completion``, ``create_chat_completion``) as llama-cpp-python users know them,
+on top of :meth:`Engine.generate`."""
 
 from __future__ import annotations
 
 import time
 import uuid
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
+from .engine import Engine, EngineConfig
 from .events import FinishEvent, TokenEvent
 
-if TYPE_CHECKING:
-    from .engine import Engine
+
+class LLM(Engine):
+    """An :class:`Engine` with OpenAI-shaped completions: a dict, or with ``stream=True`` an
+    iterator of chunks; each carries ``usage`` and a ``speculation`` block."""
+
+    def create_completion(self, prompt: str | list[int], *, max_tokens: int = 256, temperature: float = 0.0,
+                          top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                          stop: list[str] | str | None = None, stream: bool = False) -> Any:
+        """A text completion of ``prompt``."""
+        return completion(self, prompt, chat=False, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                          top_k=top_k, seed=seed, stop=stop, stream=stream)
+
+    def create_chat_completion(self, messages: list[dict[str, str]], **kw: Any) -> Any:
+        """A chat completion of ``messages`` through the model's chat template (the same
+        options as :meth:`create_completion`)."""
+        return completion(self, messages, chat=True, **kw)
+
+
+def load(model: str | Path = "qwen2.5-coder-0.5b-instruct", **kw: Any) -> LLM:
+    """Open ``model`` (registry name or GGUF path) with a drafter; options as :class:`EngineConfig`."""
+    unknown = set(kw) - set(EngineConfig.__dataclass_fields__)
+    if unknown:
+        raise TypeError(f"load() got unknown options {sorted(unknown)}")
+    return LLM(EngineConfig(model=str(model), **kw))
 
 
 def _cut_stop(text: str, stop: list[str]) -> tuple[str, bool]:
@@ -33,8 +59,9 @@ def _speculation(fin: FinishEvent) -> dict[str, Any]:
     }
 
 
-def completion(engine: Engine, prompt: Any, *, chat: bool, max_tokens: int, temperature: float, top_p: float, top_k: int,
-               seed: int | None, stop: list[str] | str | None, stream: bool) -> Any:
+def completion(engine: Engine, prompt: Any, *, chat: bool, max_tokens: int = 256, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None,
+               stream: bool = False) -> Any:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     text_prompt = engine.apply_chat_template(prompt) if chat else prompt
     events = engine.generate(text_prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -46,12 +73,13 @@ def completion(engine: Engine, prompt: Any, *, chat: bool, max_tokens: int, temp
     if stream:
         return _stream(events, ident, created, model, obj, chat, stops)
     fin = None
-    for ev in events:
-        if isinstance(ev, FinishEvent):
-            fin = ev
+    with engine._serial:  # a whole completion, as Engine.run: callers on other threads wait for it
+        for ev in events:
+            if isinstance(ev, FinishEvent):
+                fin = ev
     assert fin is not None
     text, cut = _cut_stop(fin.text, stops)
-    reason = "stop" if cut else ("length" if fin.reason == "length" else "stop")
+    reason = "stop" if cut else ("length" if fin.reason in ("length", "context") else "stop")
     choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
@@ -93,7 +121,7 @@ def _stream(events: Iterator[Any], ident: str, created: int, model: str, obj: st
             elif isinstance(ev, FinishEvent):
                 visible, cut = _cut_stop(ev.text, stops)
                 rest = visible[len(sent):]
-                reason = "stop" if cut else ("length" if ev.reason == "length" else "stop")
+                reason = "stop" if cut else ("length" if ev.reason in ("length", "context") else "stop")
                 yield chunk(rest, reason, {"usage": _usage(ev), "speculation": _speculation(ev)})
     finally:
         close = getattr(events, "close", None)

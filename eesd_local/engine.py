@@ -9,24 +9,25 @@ output equals plain decoding; sampling keeps the target's distribution exactly.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Generator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from . import chat as chat_mod
 from . import native_round
+from .defaults import BATCH_MS, DRAFT_MAX, N_CTX
 from .drafters import make_drafter
 from .drafters.base import Drafter, NoDrafter
 from .errors import EesdError
 from .events import Event, FinishEvent, RoundEvent, Stats, TokenEvent
-from .native_round import RoundResult
 from .registry import resolve_model
+from .rounds import Controller, RoundLoop, round_limit
 from .runtime import Context, ContextParams, Detokenizer, Model, common_prefix
-from .sampling import SamplingParams, TokenRNG, Uniform, probs, sample, verify_greedy, verify_sampled
+from .sampling import SamplingParams, Uniform, probs, sample
 
 
 @dataclass
@@ -36,111 +37,138 @@ class EngineConfig:
     head: str | None = None  # exit-head GGUF for eesd (default: the shipped head for the model)
     draft_model: str | None = None  # GGUF or registry name for draft-model
     controller: Any = None  # a Controller, a spec like "cost-ts" / "fixed:4", or None for the default
-    draft_max: int = 8
-    n_ctx: int = 4096
+    draft_max: int = DRAFT_MAX
+    n_ctx: int = N_CTX
     n_gpu_layers: int = 0
     n_threads: int | None = None
     seed: int = 0  # the controller's seed
-    # the native loop runs rounds in batches of about this long before Python takes them (and
-    # streams their tokens): fewer Python calls per token; 0 = back to Python after every round
-    batch_ms: float = 50.0
+    batch_ms: float = BATCH_MS  # native loop: run rounds this long before Python takes them; 0 = one at a time
 
 
-class PythonRounds:
-    """The round in Python: the controller drafts d1..dk, the target decodes [last, d1..dk]
-    in ONE llama_decode, the accepted prefix is kept and the rest of the KV rolled back."""
+class _Generation:
+    """One generation's generator and whether it still owns the engine's contexts."""
 
-    def __init__(self, ctx: Context, drafter: Drafter, controller: Any, params: SamplingParams, rng: Uniform) -> None:
-        self.ctx, self.drafter, self.ctl, self.params, self.rng = ctx, drafter, controller, params, rng
-        self.no_bonus = getattr(controller, "no_bonus", None)  # a duck-typed controller may not have it
+    __slots__ = ("inner", "ended")
 
-    def room(self) -> int:
-        return self.ctx.room()
-
-    def run(self, history: list[int], max_n: int, left: int | None = None) -> RoundResult:
-        ctx, ctl, params = self.ctx, self.ctl, self.params
-        ctl.begin_round()
-        t1 = time.perf_counter()
-        prop = self.drafter.propose(history, ctl.draft_more, max_n, params, self.rng)
-        t2 = time.perf_counter()
-        k = len(prop)
-        # a probe verifies its drafts without the bonus: [last, d1..d(k-1)], k rows (plain decoding when k = 1)
-        bonus = k == 0 or self.no_bonus is None or not self.no_bonus()
-        n_rows = k + 1 if bonus else k
-        n_keep = ctx.n_past + 1  # the cache keeps `last` ...
-        ctx.decode([history[-1], *prop.tokens[: n_rows - 1]], n_logits=n_rows)
-        if params.greedy:
-            m, nxt = verify_greedy(np.stack([ctx.logits(i) for i in range(n_rows)]), prop.tokens, bonus)
-        else:
-            m, nxt = verify_sampled(ctx.logits_rows(), prop.tokens, prop.probs, params, self.rng, bonus)
-        ctx.trim(n_keep + min(m, n_rows - 1))  # ... and the accepted drafts it decoded; the rest is rolled back
-        t3 = time.perf_counter()
-        ctl.end_round(np.asarray(prop.confidences, dtype=np.float64), m, t2 - t1, t3 - t2)
-        self.drafter.accept(history + prop.tokens[:m] + ([nxt] if nxt >= 0 else []), m)
-        return RoundResult(prop.tokens, m, nxt, t2 - t1, t3 - t2)
-
-    def belief(self) -> dict[str, float]:
-        """The controller's belief after the last round (for its RoundEvent)."""
-        return native_round.belief(self.ctl)
-
-    def cancel(self) -> None:
-        pass  # the engine checks its own flag between rounds
-
-    def close(self) -> None:
-        pass
-
-
-Rounds = PythonRounds | native_round.NativeRounds
+    def __init__(self, inner: Generator[Event, None, None]) -> None:
+        self.inner = inner
+        self.ended: str | None = None  # why it no longer runs (then it must not touch the contexts)
 
 
 class Engine:
-    """A target model, a drafter and a controller; ``generate`` yields events."""
+    """A target model, a drafter and a controller; ``generate`` yields events.
+
+    One generation runs at a time, and it owns the contexts until it ends: :meth:`run` calls
+    from several threads wait for each other; a :meth:`generate` started while an earlier
+    generator is still open ends that one first (its KV rollback runs at once, and its next
+    step raises :class:`EesdError`), so an abandoned or late-collected generator never leaves
+    the cache out of step. llama.cpp is never entered twice at once. After :meth:`close` every
+    method raises ``EesdError("the engine is closed")``.
+    """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self._closed = False
+        self._lock = threading.RLock()  # held while llama.cpp runs: one step of a generation, close, switches
+        self._serial = threading.RLock()  # held by run() and whole completions: they wait for each other
+        self._gen: _Generation | None = None  # the generation that owns the contexts
+        self._live: RoundLoop | None = None  # its round loop (for cancel)
+        self._cancel = False
+        _check_int("draft_max", config.draft_max, 1, "--draft-max")
         self.model_path = resolve_model(config.model)
         self.model = Model(self.model_path, n_gpu_layers=config.n_gpu_layers)
-        self.ctx = Context(self.model, ContextParams(n_ctx=config.n_ctx, n_threads=config.n_threads))
         self.drafter: Drafter = NoDrafter()
         self.drafter_note = ""
         try:
+            self.ctx = Context(self.model, ContextParams(n_ctx=config.n_ctx, n_threads=config.n_threads))
+            if config.draft_max + 1 > self.ctx.n_batch:  # a round decodes [last, d1..dk] in one batch
+                raise EesdError(f"a draft of up to {config.draft_max} tokens does not fit the target's batch of "
+                                f"{self.ctx.n_batch} tokens", hint=f"use --draft-max {self.ctx.n_batch - 1} or less")
             self.drafter, self.drafter_note = make_drafter(config, self.model)
             self.controller = _make_controller(config.controller, config.draft_max, config.seed)
         except BaseException:
             self.close()
             raise
-        self._cancel = False
-        self._live: Rounds | None = None  # the running generation's round loop (for cancel)
         self.loop_note = native_round.status(self.drafter)[1]  # which round loop runs, and why
 
     # --- the round loop --------------------------------------------------
 
     def generate(self, prompt: str | list[int], *, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int | None = None, stop: list[str] | None = None) -> Generator[Event, None, None]:
+                 top_p: float = 1.0, seed: int | None = None, stop: list[str] | str | None = None) -> Generator[Event, None, None]:
         """Yield a TokenEvent per emitted token, a RoundEvent per round, and one FinishEvent."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        if max_tokens < 1:
-            raise EesdError(f"max_tokens must be >= 1, got {max_tokens}")
-        tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        _check_int("max_tokens", max_tokens, 1, "--max-tokens")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if not all(isinstance(s, str) for s in stops):
+            raise EesdError(f"stop must be a string or a list of strings, got {stop!r}")
+        with self._serial:  # wait for a run() of another thread
+            with self._lock:
+                self._check_open()
+                tokens = self._prompt_tokens(prompt)
+                self._end_generation("a newer generation started on the same engine")
+                self._cancel = False  # here, not in _run: a cancel() before the first next() still counts
+                gen = self._gen = _Generation(self._run(tokens, max_tokens, params, stops))
+        return self._step(gen)
+
+    def _step(self, gen: _Generation) -> Generator[Event, None, None]:
+        """Advance ``gen`` one event at a time under the engine's lock, as long as it owns the engine."""
+        try:
+            while True:
+                with self._lock:
+                    if gen.ended:
+                        raise EesdError(f"this generation was stopped: {gen.ended}",
+                                        hint="finish or close one generator before starting the next on the same engine")
+                    try:
+                        ev = next(gen.inner)
+                    except StopIteration:
+                        return
+                yield ev
+        finally:
+            with self._lock:
+                if not gen.ended:
+                    gen.ended = "it was closed"
+                    gen.inner.close()  # runs its rollback now, whoever holds the generator
+                if self._gen is gen:
+                    self._gen = None
+
+    def _end_generation(self, why: str) -> None:
+        """End the generation that owns the contexts (with the lock held): its rollback runs now."""
+        gen, self._gen = self._gen, None
+        if gen is not None and not gen.ended:
+            gen.ended = why
+            gen.inner.close()
+
+    def _prompt_tokens(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            tokens = self.tokenize(prompt)
+        elif isinstance(prompt, list | tuple) and all(isinstance(t, int | np.integer) and not isinstance(t, bool) for t in prompt):
+            tokens = [int(t) for t in prompt]
+            bad = next((t for t in tokens if not 0 <= t < self.model.n_vocab), None)
+            if bad is not None:
+                raise EesdError(f"token id {bad} is outside the vocabulary of {self.model.n_vocab} tokens",
+                                hint="pass text, or ids from this model's tokenize()")
+        else:
+            raise EesdError(f"the prompt must be text (str) or a list of token ids, got {type(prompt).__name__}",
+                            hint="decode bytes first, e.g. prompt.decode('utf-8')" if isinstance(prompt, bytes | bytearray) else None)
         if not tokens:
             raise EesdError("the prompt is empty", hint="give at least one token of text")
         if len(tokens) >= self.ctx.n_ctx:
             raise EesdError(
                 f"the prompt has {len(tokens)} tokens but the context holds {self.ctx.n_ctx}",
-                hint="shorten the prompt or pass a larger --ctx",
+                hint="shorten the prompt or pass a larger --n-ctx",
             )
-        self._cancel = False  # here, not in _run: a cancel() before the first next() still counts
-        return self._run(tokens, max_tokens, params, stop or [])
+        return tokens
 
     def _run(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop: list[str]) -> Generator[Event, None, None]:
         ctx, model, drafter, ctl = self.ctx, self.model, self.drafter, self.controller
         rng = params.rng()
-        stats = Stats(n_prompt=len(prompt), drafter=drafter.name, controller=getattr(ctl, "name", "?"))
+        stats = Stats(n_prompt=len(prompt), drafter=drafter.name, controller=ctl.name)
         detok = Detokenizer(model)
         text: list[str] = []
         history = list(prompt)
         reason = "length"
-        rounds: Rounds | None = None
+        rounds: RoundLoop | None = None
+        t_start = 0.0
         try:
             t0 = time.perf_counter()
             # prefill, reusing the cached common prefix; the last prompt token gives the first logits
@@ -149,7 +177,9 @@ class Engine:
             ctx.decode(prompt[keep:])
             first = self._pick(ctx.logits(), params, rng)
             drafter.begin(prompt)
-            rounds = self._live = self._rounds(params, rng)
+            rounds, self.loop_note = native_round.open_loop(ctx, drafter, ctl, params, rng, draft_max=self.config.draft_max,
+                                                            batch_s=self.config.batch_ms / 1000.0)
+            self._live = rounds
             stats.t_prefill = time.perf_counter() - t0
             t_start = time.perf_counter()
             pending = [(first, "target")]
@@ -178,12 +208,12 @@ class Engine:
                     break
                 room = rounds.room()
                 if room < 1:
-                    reason = "length"
+                    reason = "context"  # the context is full: the answer stops short of max_tokens
                     break
                 # one round: draft, verify in one batch, accept, roll back (Python or native)
                 round_no += 1
                 left = max_tokens - stats.n_generated
-                r = rounds.run(history, max(0, min(self.config.draft_max, left - 1, room - 1)), left)
+                r = rounds.run(history, round_limit(self.config.draft_max, left, room), left)
                 k, m = len(r.drafted), r.accepted
                 stats.t_draft += r.t_draft
                 stats.t_verify += r.t_verify
@@ -196,21 +226,13 @@ class Engine:
             self._live = None
             if rounds is not None:
                 rounds.close()  # the native loop hands its KV records back to the contexts
-            # the rollback always runs: the cache holds exactly the emitted history but `last`
-            ctx.trim(min(ctx.n_past, max(0, len(history) - 1)))
-            stats.t_decode = time.perf_counter() - t_start if "t_start" in locals() else 0.0
+            if ctx.ptr:  # the rollback always runs: the cache holds exactly the emitted history but `last`
+                ctx.trim(min(ctx.n_past, max(0, len(history) - 1)))
+            stats.t_decode = time.perf_counter() - t_start if t_start else 0.0
         tail = detok.flush()
         if tail:
             text.append(tail)
         yield FinishEvent(reason, stats, "".join(text))  # type: ignore[arg-type]
-
-    def _rounds(self, params: SamplingParams, rng: TokenRNG) -> Rounds:
-        """The round loop for this generation: native when the extension can run it, else Python."""
-        use_native, self.loop_note = native_round.status(self.drafter)
-        if use_native:
-            return native_round.NativeRounds(self.ctx, self.drafter, self.controller, params, rng,
-                                             draft_max=self.config.draft_max, batch_s=self.config.batch_ms / 1000.0)
-        return PythonRounds(self.ctx, self.drafter, self.controller, params, rng)
 
     def _pick(self, logits: np.ndarray, params: SamplingParams, rng: Uniform) -> int:
         if params.greedy:
@@ -219,19 +241,26 @@ class Engine:
 
     def set_drafter(self, kind: str) -> str:
         """Switch to a drafter of ``kind`` on the same target (between requests); returns its note."""
-        config = dataclasses.replace(self.config, drafter=kind)
-        drafter, note = make_drafter(config, self.model)
-        old, self.drafter, self.config, self.drafter_note = self.drafter, drafter, config, note
-        old.close()
-        return note
+        with self._lock:
+            self._check_open()
+            self._end_generation("the drafter was switched")
+            config = dataclasses.replace(self.config, drafter=kind)
+            drafter, note = make_drafter(config, self.model)
+            old, self.drafter, self.config, self.drafter_note = self.drafter, drafter, config, note
+            old.close()
+            self.loop_note = native_round.status(drafter)[1]
+            return note
 
     def set_controller(self, spec: str) -> None:
         """Switch the draft-length controller (between requests); it starts with a fresh belief."""
-        self.controller = _make_controller(spec, self.config.draft_max, self.config.seed)
-        self.config = dataclasses.replace(self.config, controller=spec)
+        with self._lock:
+            self._check_open()
+            self._end_generation("the controller was switched")
+            self.controller = _make_controller(spec, self.config.draft_max, self.config.seed)
+            self.config = dataclasses.replace(self.config, controller=spec)
 
     def cancel(self) -> None:
-        """Ask a running generation to stop after the current round (thread-safe)."""
+        """Ask a running generation to stop after the current round (thread-safe, never waits)."""
         self._cancel = True
         live = self._live
         if live is not None:
@@ -240,9 +269,12 @@ class Engine:
     # --- conveniences ----------------------------------------------------
 
     def tokenize(self, text: str) -> list[int]:
-        return self.model.tokenize(text, add_special=True, parse_special=True)
+        with self._lock:
+            self._check_open()
+            return self.model.tokenize(text, add_special=True, parse_special=True)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        self._check_open()
         bos = self.model.token_to_piece(self.model.bos, special=True).decode("utf-8", "replace") if self.model.add_bos else ""
         text = chat_mod.render(self.model.chat_template(), messages, add_generation_prompt=add_generation_prompt,
                                bos_token=bos, eos_token="")
@@ -252,35 +284,33 @@ class Engine:
         return text
 
     def run(self, prompt: str | list[int], **kw: Any) -> FinishEvent:
-        """Generate to the end and return the FinishEvent (text and stats)."""
-        last = None
-        for ev in self.generate(prompt, **kw):
-            last = ev
+        """Generate to the end and return the FinishEvent (text and stats); runs from several
+        threads wait for each other."""
+        with self._serial:
+            last = None
+            for ev in self.generate(prompt, **kw):
+                last = ev
         assert isinstance(last, FinishEvent)
         return last
 
-    def create_completion(self, prompt: str, *, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-                          top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None,
-                          stream: bool = False) -> Any:
-        """An OpenAI-shaped text completion (a dict, or an iterator of chunks with stream=True)."""
-        from .api import completion
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
-        return completion(self, prompt, chat=False, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                          top_k=top_k, seed=seed, stop=stop, stream=stream)
-
-    def create_chat_completion(self, messages: list[dict[str, str]], *, max_tokens: int = 256, temperature: float = 0.0,
-                               top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                               stop: list[str] | str | None = None, stream: bool = False) -> Any:
-        """An OpenAI-shaped chat completion using the model's chat template."""
-        from .api import completion
-
-        return completion(self, messages, chat=True, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                          top_k=top_k, seed=seed, stop=stop, stream=stream)
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EesdError("the engine is closed", hint="load the model again (eesd_local.load) to go on")
 
     def close(self) -> None:
-        for part in (getattr(self, "drafter", None), getattr(self, "ctx", None), getattr(self, "model", None)):
-            if part is not None:
-                part.close()
+        """Free the contexts and models; a generation still open ends first. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._end_generation("the engine was closed")
+            self._closed = True
+            for part in (self.drafter, getattr(self, "ctx", None), self.model):
+                if part is not None:
+                    part.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -294,17 +324,14 @@ def _hit_stop(text: list[str], stop: list[str]) -> bool:
     return any(s and s in tail for s in stop)
 
 
-def _make_controller(spec: Any, draft_max: int, seed: int) -> Any:
+def _check_int(name: str, value: Any, lo: int, flag: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < lo:
+        raise EesdError(f"{name} must be an integer >= {lo}, got {value!r}", hint=f"e.g. {flag} {max(lo, 8)}")
+
+
+def _make_controller(spec: Any, draft_max: int, seed: int) -> Controller:
     if spec is not None and not isinstance(spec, str):
-        return spec
+        return spec  # a Controller object
     from .controllers import DEFAULT_CONTROLLER, make_controller
 
     return make_controller(spec or DEFAULT_CONTROLLER, max_draft=draft_max, seed=seed)
-
-
-def load(model: str | Path = "qwen2.5-coder-0.5b-instruct", **kw: Any) -> Engine:
-    """Open ``model`` (registry name or GGUF path) with a drafter; see :class:`EngineConfig`."""
-    unknown = set(kw) - set(EngineConfig.__dataclass_fields__)
-    if unknown:
-        raise TypeError(f"load() got unknown options {sorted(unknown)}")
-    return Engine(EngineConfig(model=str(model), **kw))

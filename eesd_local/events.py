@@ -50,17 +50,32 @@ class Stats:
     controller: str = ""
 
     def record_round(self, drafted: int, accepted: int, emitted: int | None = None) -> None:
+        """Count one round: ``drafted`` tokens proposed, the first ``accepted`` of them kept."""
         self.n_rounds += 1
         self.n_emitted += accepted + 1 if emitted is None else emitted
         self.n_drafted += drafted
         self.n_accepted += accepted
         self.draft_lengths.append(drafted)
-        while len(self.drafted_at) < drafted:
-            self.drafted_at.append(0)
-            self.accepted_at.append(0)
+        self._grow(drafted)
         for i in range(drafted):
             self.drafted_at[i] += 1
             self.accepted_at[i] += int(i < accepted)
+
+    def add(self, other: Stats) -> None:
+        """Add another generation's figures to these (a session's, a bench method's)."""
+        for f in ("n_prompt", "n_generated", "n_rounds", "n_drafted", "n_accepted", "n_emitted",
+                  "t_prefill", "t_decode", "t_draft", "t_verify"):
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+        self.draft_lengths += other.draft_lengths
+        self._grow(len(other.drafted_at))
+        for i, (d, a) in enumerate(zip(other.drafted_at, other.accepted_at, strict=True)):
+            self.drafted_at[i] += d
+            self.accepted_at[i] += a
+
+    def _grow(self, n: int) -> None:
+        while len(self.drafted_at) < n:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
 
     @property
     def tokens_per_s(self) -> float:
@@ -106,7 +121,8 @@ class Stats:
 
 @dataclass(slots=True)
 class FinishEvent:
-    reason: Literal["stop", "length", "cancelled"]
+    # stop: end of generation or a stop string; length: max_tokens; context: the context is full; cancelled
+    reason: Literal["stop", "length", "context", "cancelled"]
     stats: Stats
     text: str = ""
 

@@ -3,11 +3,72 @@
 A round: the controller decides how far to draft, the drafter proposes d1..dk, the target
 decodes [last, d1..dk] in ONE llama_decode, the accepted prefix plus one target token is
 emitted, and the target's KV cache is trimmed past it. :class:`PythonRounds` is the
-reference implementation; the native loop (``native_round.NativeRounds``) must give the
-same events for every drafter and is tested against it.
+reference implementation; the native loop (:mod:`.native_round`) must give the same events
+for every drafter and is tested against it. The engine sees only :class:`RoundLoop`.
 """
 
 from __future__ import annotations
+
+import time
+from typing import NamedTuple, Protocol
+
+import numpy as np
+
+from .drafters.base import Drafter
+from .runtime import Context
+from .sampling import SamplingParams, Uniform, verify_greedy, verify_sampled
+
+
+class RoundResult(NamedTuple):
+    drafted: list[int]  # d1..dk
+    accepted: int  # m: d1..dm were kept
+    next_token: int  # the target's token after them (a correction, or the bonus when m == k > 0; -1: none, a probe's)
+    t_draft: float
+    t_verify: float
+
+
+class Controller(Protocol):
+    """A draft-length controller (:mod:`.controllers`): one float64 state array that its Numba
+    kernels update in place, so the native loop can run the same decisions through cfuncs."""
+
+    name: str
+    max_draft: int
+    state: np.ndarray
+
+    def begin_round(self) -> None: ...
+
+    def draft_more(self, step: int, confidence: float) -> bool: ...
+
+    def no_bonus(self) -> bool: ...
+
+    def end_round(self, confidences: np.ndarray, n_accepted: int, t_draft: float, t_verify: float) -> None: ...
+
+    def belief(self) -> dict[str, float]: ...
+
+
+class RoundLoop(Protocol):
+    """One generation's rounds over a target context that the loop owns until :meth:`close`."""
+
+    def run(self, history: list[int], max_n: int, left: int) -> RoundResult:
+        """One round continuing ``history`` (which ends with the last emitted token), drafting at
+        most ``max_n`` tokens; ``left``: tokens still wanted (a loop may run later rounds ahead)."""
+        ...
+
+    def room(self) -> int:
+        """Free target KV positions before the next round."""
+        ...
+
+    def belief(self) -> dict[str, float]:
+        """The controller's belief after the last round (for its RoundEvent)."""
+        ...
+
+    def cancel(self) -> None:
+        """Stop rounds that run ahead after the current one (thread-safe)."""
+        ...
+
+    def close(self) -> None:
+        """Hand the target context back with its record matching its KV cache exactly."""
+        ...
 
 
 def round_limit(draft_max: int, left: int, room: int) -> int:
@@ -15,3 +76,44 @@ def round_limit(draft_max: int, left: int, room: int) -> int:
     (tokens still wanted) and k <= room - 1 (free KV positions after `last`), and never
     more than ``draft_max``. The C++ loop applies the same rule (tested against this one)."""
     return max(0, min(draft_max, left - 1, room - 1))
+
+
+class PythonRounds:
+    """The reference round loop, one round per call."""
+
+    def __init__(self, ctx: Context, drafter: Drafter, controller: Controller, params: SamplingParams,
+                 rng: Uniform) -> None:
+        self.ctx, self.drafter, self.ctl, self.params, self.rng = ctx, drafter, controller, params, rng
+
+    def room(self) -> int:
+        return self.ctx.room()
+
+    def run(self, history: list[int], max_n: int, left: int) -> RoundResult:
+        ctx, ctl, params = self.ctx, self.ctl, self.params
+        ctl.begin_round()
+        t1 = time.perf_counter()
+        prop = self.drafter.propose(history, ctl.draft_more, max_n, params, self.rng)
+        t2 = time.perf_counter()
+        k = len(prop)
+        # a probe verifies its drafts without the bonus: [last, d1..d(k-1)], k rows (plain decoding when k = 1)
+        bonus = k == 0 or not ctl.no_bonus()
+        n_rows = k + 1 if bonus else k
+        n_keep = ctx.n_past + 1  # the cache keeps `last` ...
+        ctx.decode([history[-1], *prop.tokens[: n_rows - 1]], n_logits=n_rows)
+        if params.greedy:
+            m, nxt = verify_greedy(np.stack([ctx.logits(i) for i in range(n_rows)]), prop.tokens, bonus)
+        else:
+            m, nxt = verify_sampled(ctx.logits_rows(), prop.tokens, prop.probs, params, self.rng, bonus)
+        ctx.trim(n_keep + min(m, n_rows - 1))  # ... and the accepted drafts it decoded; the rest is rolled back
+        t3 = time.perf_counter()
+        ctl.end_round(np.asarray(prop.confidences, dtype=np.float64), m, t2 - t1, t3 - t2)
+        return RoundResult(prop.tokens, m, nxt, t2 - t1, t3 - t2)
+
+    def belief(self) -> dict[str, float]:
+        return self.ctl.belief()
+
+    def cancel(self) -> None:
+        pass  # one round per call: the engine checks its own flag between rounds
+
+    def close(self) -> None:
+        pass  # every round left the context's record matching its cache

@@ -47,9 +47,10 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, int | float) or math.isnan(self.temperature) or self.temperature < 0:
-            raise EesdError(f"temperature must be >= 0, got {self.temperature}", hint="use 0 for greedy decoding")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if (isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float)
+                or not math.isfinite(self.temperature) or self.temperature < 0):
+            raise EesdError(f"temperature must be a finite number >= 0, got {self.temperature}", hint="use 0 for greedy decoding")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise EesdError(f"top_k must be an integer >= 0, got {self.top_k}", hint="use 0 to disable top-k")
         if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
             raise EesdError(f"top_p must be in (0, 1], got {self.top_p}", hint="use 1 to disable top-p")

@@ -29,6 +29,7 @@ from .controllers import make_controller
 from .controllers.kernels import controller_begin, controller_decide, controller_update
 from .controllers.layout import MAX_DRAFT, NO_BONUS
 from .controllers.rng import beta, normal, seed_words, uniform
+from .defaults import DRAFT_MAX
 
 IID, DECAY, CONF, SWITCH = 1, 2, 3, 4
 T_TOKEN = 0.02  # seconds per plain target token in the simulated timings (~Qwen2.5-0.5B on 2 cores)
@@ -179,7 +180,7 @@ def simulate(
     *,
     rounds: int = 4000,
     seed: int = 0,
-    max_draft: int = 8,
+    max_draft: int = DRAFT_MAX,
     options: dict | None = None,
 ) -> np.ndarray:
     """Per-round (expected tokens, seconds, drafted) for one controller on one process and profile.
@@ -196,14 +197,14 @@ def throughput(out: np.ndarray) -> float:
     return float(out[:, 0].sum() / out[:, 1].sum())
 
 
-def best_fixed(process: Process, profile: CostProfile, *, rounds: int = 4000, seed: int = 0, max_draft: int = 8) -> tuple[int, float]:
+def best_fixed(process: Process, profile: CostProfile, *, rounds: int = 4000, seed: int = 0, max_draft: int = DRAFT_MAX) -> tuple[int, float]:
     """The fixed k in 0..max_draft with the highest throughput on this run, and that throughput."""
     rates = [throughput(simulate(f"fixed:{k}", process, profile, rounds=rounds, seed=seed, max_draft=max_draft)) for k in range(max_draft + 1)]
     k = int(np.argmax(rates))
     return k, rates[k]
 
 
-def relative_throughput(spec: str, process: Process, profile: CostProfile, *, rounds: int = 4000, seed: int = 0, max_draft: int = 8) -> float:
+def relative_throughput(spec: str, process: Process, profile: CostProfile, *, rounds: int = 4000, seed: int = 0, max_draft: int = DRAFT_MAX) -> float:
     """Throughput of the controller / throughput of the best fixed k in hindsight."""
     _, best = best_fixed(process, profile, rounds=rounds, seed=seed, max_draft=max_draft)
     return throughput(simulate(spec, process, profile, rounds=rounds, seed=seed, max_draft=max_draft)) / best
@@ -226,7 +227,7 @@ def adaptation(
     seeds: int = 4,
     window: int = 20,
     level: float = 0.95,
-    max_draft: int = 8,
+    max_draft: int = DRAFT_MAX,
 ) -> Adaptation:
     """Rounds to get back to `level` of the new regime's best fixed k after each switch."""
     regimes = process.phases()
@@ -263,7 +264,7 @@ def table(
     *,
     rounds: int = 4000,
     seed: int = 0,
-    max_draft: int = 8,
+    max_draft: int = DRAFT_MAX,
     adapt: bool = True,
 ) -> str:
     """The controller x process x profile table of relative throughput, as text."""
@@ -334,7 +335,7 @@ def _round_loop(state, n, confidences):
     return decisions
 
 
-def decision_cost(spec: str, *, max_draft: int = 8, n: int = 200_000) -> dict[str, float]:
+def decision_cost(spec: str, *, max_draft: int = DRAFT_MAX, n: int = 200_000) -> dict[str, float]:
     """Nanoseconds per draft_more (compiled loop), per whole round, and per draft_more from Python.
 
     The controller first learns 2000 rounds of iid-0.7 on gpu-d0.1, so its state is mature.
@@ -363,7 +364,7 @@ def decision_cost(spec: str, *, max_draft: int = 8, n: int = 200_000) -> dict[st
     return {"decide_ns": decide_ns, "round_ns": round_ns, "decisions_per_round": decisions / rounds, "python_call_ns": python_ns}
 
 
-def decision_trace(spec: str, process: str, profile: str, *, rounds: int = 300, seed: int = 0, max_draft: int = 8) -> tuple[np.ndarray, np.ndarray]:
+def decision_trace(spec: str, process: str, profile: str, *, rounds: int = 300, seed: int = 0, max_draft: int = DRAFT_MAX) -> tuple[np.ndarray, np.ndarray]:
     """(per-round results, final controller state) of one short run: what the JIT / no-JIT check compares."""
     ctrl = make_controller(spec, max_draft=max_draft, seed=seed)
     out = np.zeros((rounds, 3))

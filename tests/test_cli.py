@@ -11,7 +11,7 @@ from pathlib import Path
 import llama_cpp
 import pytest
 
-from eesd_local.engine import load
+from eesd_local.api import load
 
 from .conftest import QWEN05
 

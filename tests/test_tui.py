@@ -16,7 +16,7 @@ import pytest
 from eesd_chat.app import ChatApp, ChatOptions, main, swap_controller, swap_drafter
 from eesd_chat.widgets import SpeculationPanel
 from eesd_local import heads
-from eesd_local.engine import load
+from eesd_local.api import load
 from eesd_local.events import TokenEvent
 
 from .conftest import QWEN05

@@ -242,7 +242,7 @@ class ChatApp(App[None]):
         note = f"{s.n_generated} tokens · drafted {s.n_drafted}, accepted {s.n_accepted} · tau {s.tau:.2f}"
         if self.options.timings and s.t_decode > 0:
             note += f" · {s.tokens_per_s:.1f} tok/s"
-        context_full = answer.reason == "length" and s.n_generated < self.options.max_tokens
+        context_full = answer.reason == "context"
         if error:
             note += f" · error: {error}"
             self.set_status(f"error: {error}", error=True)
@@ -374,42 +374,31 @@ def swap_controller(engine: Engine, spec: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from eesd_local.drafters import DRAFTERS
-    from eesd_local.registry import DEFAULT_MODEL
+    from eesd_local.commands.options import add_engine_args
 
     p = argparse.ArgumentParser(prog="eesd-chat", description="A terminal chat that shows speculative decoding live.")
-    p.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=f"registry name or GGUF path (default {DEFAULT_MODEL}, pulled if missing)")
-    p.add_argument("--head", help="exit-head GGUF for the eesd drafter")
-    p.add_argument("--drafter", default="auto", choices=DRAFTERS, help="how drafts are made (default auto)")
-    p.add_argument("--draft-model", help="registry name or GGUF of a separate draft model (for --drafter draft-model)")
-    p.add_argument("--controller", default=None, help="draft-length controller: cost-ts (default), beta-ts, calibration-ts, fixed:K, pmin:P, heuristic")
-    p.add_argument("--temp", type=float, default=0.0, help="temperature (0 = greedy, the default)")
-    p.add_argument("--top-p", type=float, default=1.0)
+    add_engine_args(p, positional_model=True)
+    p.add_argument("--temperature", "--temp", dest="temperature", type=float, default=0.0, help="temperature (0 = greedy, the default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
     p.add_argument("--system", help="system message")
-    p.add_argument("--n-gpu-layers", type=int, default=0, help="layers to offload to the GPU (-1: all)")
-    p.add_argument("--ctx", type=int, default=4096, help="context size in tokens (default 4096)")
     p.add_argument("--max-tokens", type=int, default=1024, help="most tokens per answer (default 1024)")
     return p
 
 
 def open_engine(args: argparse.Namespace) -> Engine:
     """Pull a registry model if missing, check the options, load the engine (before the app starts)."""
-    from eesd_local.commands.models import pull_with_progress
-    from eesd_local.engine import load
-    from eesd_local.registry import known_models
+    from eesd_local.api import load
+    from eesd_local.commands.options import engine_config
     from eesd_local.sampling import SamplingParams
 
-    SamplingParams(temperature=args.temp, top_p=args.top_p)  # raises EesdError on bad values
+    SamplingParams(temperature=args.temperature, top_p=args.top_p)  # raises EesdError on bad values
     if args.max_tokens < 1:
         raise EesdError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    if args.ctx < 64:
-        raise EesdError(f"--ctx must be at least 64 tokens, got {args.ctx}", hint="e.g. --ctx 4096")
-    for name in (args.model, args.draft_model):
-        if name in known_models():
-            pull_with_progress(name)
+    if args.n_ctx < 64:
+        raise EesdError(f"--n-ctx must be at least 64 tokens, got {args.n_ctx}", hint="e.g. --n-ctx 4096")
+    config = engine_config(args)
     print(f"eesd-chat: loading {args.model} …", file=sys.stderr)
-    return load(args.model, drafter=args.drafter, head=args.head, draft_model=args.draft_model, controller=args.controller,
-                n_ctx=args.ctx, n_gpu_layers=args.n_gpu_layers)
+    return load(**vars(config))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -425,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\neesd-chat: interrupted", file=sys.stderr)
         return 130
     options = ChatOptions(model_name=args.model if "/" not in args.model else Path(args.model).name, system=args.system,
-                          temperature=args.temp, top_p=args.top_p, max_tokens=args.max_tokens)
+                          temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
     try:
         ChatApp(engine, options).run()
     finally:

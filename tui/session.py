@@ -69,23 +69,7 @@ def merge_stats(parts: list[Stats]) -> Stats:
     """The figures of several answers taken together (the session column)."""
     out = Stats()
     for s in parts:
-        out.n_prompt += s.n_prompt
-        out.n_generated += s.n_generated
-        out.n_rounds += s.n_rounds
-        out.n_drafted += s.n_drafted
-        out.n_accepted += s.n_accepted
-        out.n_emitted += s.n_emitted
-        out.t_prefill += s.t_prefill
-        out.t_decode += s.t_decode
-        out.t_draft += s.t_draft
-        out.t_verify += s.t_verify
-        out.draft_lengths += s.draft_lengths
-        for i, (d, a) in enumerate(zip(s.drafted_at, s.accepted_at, strict=True)):
-            if i == len(out.drafted_at):
-                out.drafted_at.append(0)
-                out.accepted_at.append(0)
-            out.drafted_at[i] += d
-            out.accepted_at[i] += a
+        out.add(s)
     return out
 
 

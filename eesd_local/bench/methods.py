@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import EesdError
-from ..events import FinishEvent, TokenEvent
+from ..events import FinishEvent, Stats, TokenEvent
 
 PEER = "llama-cpp-python"
 PEER_LOOKUP = "llama-cpp-python-lookup"
@@ -95,14 +95,7 @@ class Turn:
     text: str
     t_prefill: float  # request start -> first token (prompt processing and the first token)
     t_decode: float  # first token -> last token: everything after the prompt, drafting included
-    n_rounds: int = 0  # target verifications after the first token
-    n_drafted: int = 0
-    n_accepted: int = 0
-    t_draft: float = 0.0
-    drafted_at: list[int] = field(default_factory=list)
-    accepted_at: list[int] = field(default_factory=list)
-    draft_lengths: list[int] = field(default_factory=list)
-    n_emitted: int = 0  # tokens the rounds emitted (0: not recorded, take accepted + rounds)
+    rounds: Stats = field(default_factory=Stats)  # target verifications after the first token, drafts, acceptance
 
 
 @dataclass(frozen=True)
@@ -157,8 +150,7 @@ class EngineMethod:
         st = fin.stats
         if not tokens:
             t_first = t_last = time.perf_counter()
-        return Turn(tokens, fin.text, t_first - t0, t_last - t_first, st.n_rounds, st.n_drafted, st.n_accepted,
-                    st.t_draft, list(st.drafted_at), list(st.accepted_at), list(st.draft_lengths), st.n_emitted)
+        return Turn(tokens, fin.text, t_first - t0, t_last - t_first, st)
 
     def close(self) -> None:
         self.engine.close()
@@ -174,35 +166,31 @@ def _counting_draft(inner: Any) -> Any:
             self.start()
 
         def start(self) -> None:
-            self.turn = Turn([], "", 0.0, 0.0)
-            self.draft: list[int] = []
-            self.pos = 0
+            self.stats = Stats()
+            self.draft: list[int] | None = None  # the current round's drafts (None before the first)
+            self.pos = 0  # of those, accepted so far
 
         def __call__(self, input_ids: Any, /, **kwargs: Any) -> Any:
+            self.finish()
             t = time.perf_counter()
             out = inner(input_ids, **kwargs)
-            tr = self.turn
-            tr.t_draft += time.perf_counter() - t
+            self.stats.t_draft += time.perf_counter() - t
             self.draft = [int(x) for x in out]
             self.pos = 0
-            tr.n_rounds += 1
-            tr.n_drafted += len(self.draft)
-            tr.draft_lengths.append(len(self.draft))
-            while len(tr.drafted_at) < len(self.draft):
-                tr.drafted_at.append(0)
-                tr.accepted_at.append(0)
-            for i in range(len(self.draft)):
-                tr.drafted_at[i] += 1
             return out
 
         def see(self, token: int) -> None:
             # Llama.generate yields the target's token at each drafted position and stops the round at the first miss
-            if self.pos < len(self.draft) and token == self.draft[self.pos]:
-                self.turn.n_accepted += 1
-                self.turn.accepted_at[self.pos] += 1
+            if self.draft is not None and self.pos < len(self.draft) and token == self.draft[self.pos]:
                 self.pos += 1
-            else:
-                self.pos = len(self.draft)
+            elif self.draft is not None:
+                self.finish()
+
+        def finish(self) -> None:
+            """Count the current round, once its outcome is known."""
+            if self.draft is not None:
+                self.stats.record_round(len(self.draft), self.pos)
+                self.draft = None
 
     return CountingDraft()
 
@@ -257,11 +245,10 @@ class PeerMethod:
         text = llm.detokenize(tokens).decode("utf-8", "replace")
         turn = Turn(tokens, text, t_first - t0, t_last - t_first)
         if counter is not None:
-            c = counter.turn
-            turn.n_rounds, turn.n_drafted, turn.n_accepted, turn.t_draft = c.n_rounds, c.n_drafted, c.n_accepted, c.t_draft
-            turn.drafted_at, turn.accepted_at, turn.draft_lengths = c.drafted_at, c.accepted_at, c.draft_lengths
+            counter.finish()
+            turn.rounds = counter.stats
         else:
-            turn.n_rounds = max(0, len(tokens) - 1)  # one target call per token after the first
+            turn.rounds.n_rounds = turn.rounds.n_emitted = max(0, len(tokens) - 1)  # one target call per token after the first
         return turn
 
     def close(self) -> None:

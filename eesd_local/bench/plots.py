@@ -77,7 +77,7 @@ def write_plots(res: Results, summary: dict[str, dict[str, dict[str, Any]]], out
     # draft length per round in run order (rolling mean): how the controller adapts
     fig, ax = plt.subplots(figsize=(8, 4))
     for m in methods:
-        lengths = [d for r in res.runs if r.method == m for t in r.turns for d in t.draft_lengths]
+        lengths = [d for r in res.runs if r.method == m for t in r.turns for d in t.rounds.draft_lengths]
         if not lengths or not any(lengths):
             continue
         y = np.asarray(lengths, dtype=float)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from ..events import Stats
 from .runner import Results, Run, machine_info
 
 ALL = "all"
@@ -40,14 +41,11 @@ def figures(res: Results, method: str, runs: list[Run], plain: dict[tuple[str, s
     ref = [plain[(r.category, r.item, r.repeat)] for r in paired]
     m_rate, r_rate = _rate(paired), _rate(ref)
     tps_m, tps_r = _div(*m_rate), _div(*r_rate)
-    rounds = sum(t.n_rounds for t in turns)
-    drafted = sum(t.n_drafted for t in turns)
-    accepted = sum(t.n_accepted for t in turns)
-    emitted = sum(t.n_emitted or t.n_accepted + t.n_rounds for t in turns)
-    t_draft = sum(t.t_draft for t in turns)
-    width = max((len(t.drafted_at) for t in turns), default=0)
-    d_at = [sum(t.drafted_at[i] for t in turns if i < len(t.drafted_at)) for i in range(width)]
-    a_at = [sum(t.accepted_at[i] for t in turns if i < len(t.accepted_at)) for i in range(width)]
+    total = Stats()
+    for t in turns:
+        total.add(t.rounds)
+    rounds, drafted, accepted, emitted, t_draft = total.n_rounds, total.n_drafted, total.n_accepted, total.n_emitted, total.t_draft
+    d_at, a_at = total.drafted_at, total.accepted_at
     per_target_token = _div(r_rate[1], r_rate[0])  # none's seconds per token on these prompts
     draft_cost = None
     if drafted and per_target_token:

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import lossless
+from ..defaults import DRAFT_MAX
 from ..errors import EesdError
 from ..runtime import Context, ContextParams, Model, default_threads
 from .methods import EngineMethod, Method, MethodSpec, PeerMethod, Sampling, Turn, default_draft_model, parse_methods
@@ -48,7 +49,7 @@ class BenchConfig:
     head: str | None = None
     draft_model: str | None = None
     controller: str | None = None
-    draft_max: int = 8
+    draft_max: int = DRAFT_MAX
     n_ctx: int = 4096
     n_gpu_layers: int = 0
     n_threads: int | None = None
@@ -157,7 +158,7 @@ def plan_methods(cfg: BenchConfig, model_path: Path) -> tuple[list[MethodSpec], 
 
 def open_method(spec: MethodSpec, cfg: BenchConfig, model_path: Path, head: str | None, draft_model: str | None,
                 ref: EngineMethod | None) -> Method:
-    from ..engine import load
+    from ..api import load
 
     threads = cfg.n_threads or default_threads()
     if spec.is_peer:

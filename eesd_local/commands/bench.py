@@ -16,19 +16,18 @@ from ..atomic import check_overwrite, write_text_atomic
 from ..bench.methods import METHOD_HELP
 from ..bench.prompts import BUILTIN_SETS
 from ..bench.runner import BenchConfig
+from ..defaults import DRAFT_MAX, N_CTX
 from ..errors import EesdError
 from ..registry import DEFAULT_MODEL, known_models
 
-# flag -> BenchConfig field, in the order the command line is written back; the argparse dest
-# is the flag's name unless listed in _DESTS
+# flag -> BenchConfig field (the argparse dest), in the order the command line is written back
 _FLAGS = (
     ("--model", "model"), ("--head", "head"), ("--draft-model", "draft_model"), ("--prompts", "prompts"),
     ("--category", "categories"), ("--n-prompts", "n_prompts"), ("--methods", "methods"), ("--controller", "controller"),
-    ("--max-tokens", "max_tokens"), ("--temp", "temperature"), ("--top-k", "top_k"), ("--top-p", "top_p"), ("--seed", "seed"),
-    ("--repeats", "repeats"), ("--warmup-tokens", "warmup_tokens"), ("--draft-max", "draft_max"), ("--ctx", "n_ctx"),
-    ("--n-gpu-layers", "n_gpu_layers"), ("--threads", "n_threads"),
+    ("--max-tokens", "max_tokens"), ("--temperature", "temperature"), ("--top-k", "top_k"), ("--top-p", "top_p"), ("--seed", "seed"),
+    ("--repeats", "repeats"), ("--warmup-tokens", "warmup_tokens"), ("--draft-max", "draft_max"), ("--n-ctx", "n_ctx"),
+    ("--n-gpu-layers", "n_gpu_layers"), ("--n-threads", "n_threads"),
 )
-_DESTS = {"temperature": "temp", "n_ctx": "ctx", "n_threads": "threads"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -50,16 +49,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--methods", default="none,eesd,lookup", metavar="LIST", help=f"comma-separated: {METHOD_HELP} (default %(default)s)")
     p.add_argument("--controller", help="controller of the eesd/lookup/draft-model/hierarchical methods (default: the engine's)")
     p.add_argument("--max-tokens", "-n", type=int, default=128, help="tokens generated per prompt (per turn; default 128)")
-    p.add_argument("--temp", type=float, default=0.0, help="temperature (default 0: greedy, where losslessness is checked)")
+    p.add_argument("--temperature", "--temp", type=float, default=0.0, help="temperature (default 0: greedy, where losslessness is checked)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0, help="base seed for sampling (default 0)")
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompts (default 1)")
     p.add_argument("--warmup-tokens", type=int, default=16, help="tokens of one warm-up generation per method (default 16; 0: none)")
-    p.add_argument("--draft-max", type=int, default=8, help="most tokens drafted per round (default 8)")
-    p.add_argument("--ctx", type=int, default=4096, help="context size of every method (default 4096)")
+    p.add_argument("--draft-max", type=int, default=DRAFT_MAX, help="most tokens drafted per round (default %(default)s)")
+    p.add_argument("--n-ctx", "--ctx", type=int, default=N_CTX, help="context size of every method (default 4096)")
     p.add_argument("--n-gpu-layers", type=int, default=0, help="layers to offload to the GPU (-1: all)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads of every method (default: all cores)")
+    p.add_argument("--n-threads", "--threads", type=int, default=None, help="CPU threads of every method (default: all cores)")
     p.add_argument("--json", metavar="OUT", help="write the figures as JSON")
     p.add_argument("--plots", metavar="DIR", help="write PNG plots (speedup, acceptance by position, draft length)")
     p.add_argument("--markdown", metavar="OUT.md", help="write the tables as Markdown")
@@ -68,7 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def bench_config(args: argparse.Namespace) -> BenchConfig:
-    return BenchConfig(**{field: getattr(args, _DESTS.get(field, field)) for _, field in _FLAGS})
+    return BenchConfig(**{field: getattr(args, field) for _, field in _FLAGS})
 
 
 def command_line(cfg: BenchConfig, args: argparse.Namespace) -> str:

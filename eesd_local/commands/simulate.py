@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..defaults import DRAFT_MAX
 from ..errors import EesdError
 from ..simulator import PROCESSES, PROFILES, TABLE_CONTROLLERS, decision_cost, table
 
@@ -18,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profiles", default=",".join(PROFILES), help="comma-separated cost profiles (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=4000, help="rounds per run (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the controllers and the process (default: %(default)s)")
-    p.add_argument("--max-draft", type=int, default=8, help="longest draft (default: %(default)s)")
+    p.add_argument("--draft-max", "--max-draft", dest="draft_max", type=int, default=DRAFT_MAX, help="longest draft (default: %(default)s)")
     p.add_argument("--no-adapt", dest="adapt", action="store_false", help="skip the rounds-to-adapt table after regime switches")
     p.add_argument("--timing", action="store_true", help="also measure what a controller decision costs")
 
@@ -49,12 +50,12 @@ def run(args: argparse.Namespace) -> int:
             raise EesdError(f"unknown {kind} {', '.join(bad) or '(none given)'}", hint=f"choose from {', '.join(known)}")
     if args.rounds < 100:
         raise EesdError(f"--rounds {args.rounds} is too few to compare controllers", hint="use 1000 or more")
-    print(table(controllers, processes, profiles, rounds=args.rounds, seed=args.seed, max_draft=args.max_draft, adapt=args.adapt))
+    print(table(controllers, processes, profiles, rounds=args.rounds, seed=args.seed, max_draft=args.draft_max, adapt=args.adapt))
     if args.timing:
         print()
         print("decision cost, compiled (ns): per draft_more in a Numba loop | per whole round (begin + decisions + update) "
               "| per draft_more called from Python")
         for spec in controllers:
-            c = decision_cost(spec, max_draft=args.max_draft)
+            c = decision_cost(spec, max_draft=args.draft_max)
             print(f"  {spec:22s} {c['decide_ns']:8.0f} | {c['round_ns']:8.0f} ({c['decisions_per_round']:.1f} decisions) | {c['python_call_ns']:8.0f}")
     return 0

@@ -18,6 +18,7 @@ import math
 
 import numpy as np
 
+from ..defaults import DRAFT_MAX
 from ..errors import EesdError
 from .jitcache import install as _install_jit_cache
 
@@ -140,10 +141,10 @@ def _bad_spec(spec: str, why: str) -> EesdError:
     )
 
 
-def make_controller(spec: str, *, max_draft: int = 8, seed: int = 0, eps: float = TS_EPS, forget: float = TS_FORGET) -> Controller:
+def make_controller(spec: str, *, max_draft: int = DRAFT_MAX, seed: int = 0, eps: float = TS_EPS, forget: float = TS_FORGET) -> Controller:
     """A fresh controller from its spec; raises EesdError on a bad spec."""
     if not isinstance(max_draft, int) or max_draft < 1:
-        raise EesdError(f"max_draft must be a positive integer, got {max_draft!r}", hint="e.g. --max-draft 8")
+        raise EesdError(f"max_draft must be a positive integer, got {max_draft!r}", hint="e.g. --draft-max 8")
     name, _, arg = spec.strip().lower().partition(":")
     if name in ("beta-ts", "calibration-ts", "cost-ts"):
         key = name if not arg else f"{name}:{arg}"

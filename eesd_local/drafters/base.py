@@ -1,4 +1,4 @@
-"""The drafter protocol: begin with the prompt, propose tokens, see what was kept.
+"""The drafter protocol: begin with the prompt, propose tokens, say how the native loop drafts.
 
 A drafter never touches the target. ``propose`` asks ``want_more(step, confidence)``
 (the controller) before each token and stops when it says no, so a round where the
@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from ..sampling import SamplingParams, Uniform
+
+if TYPE_CHECKING:
+    from ..runtime import Context
 
 # want_more(step, confidence): step = tokens drafted so far this round, confidence =
 # the drafter's probability of the token it just drafted (1.0 before the first)
@@ -35,6 +38,17 @@ class Proposal:
         return len(self.tokens)
 
 
+@dataclass(frozen=True)
+class NativeSpec:
+    """How the native round loop drafts what :meth:`Drafter.propose` would: with ``draft_ctx``
+    token by token (its guesses, if any, from ``lookup``), else from ``lookup`` alone, else nothing.
+    The C++ side has one propose function per form; a drafter without a native form runs in
+    the Python loop."""
+
+    draft_ctx: Context | None = None  # a llama.cpp context drafting token by token
+    lookup: tuple[int, int] | None = None  # (ngram_min, ngram_max) of a prompt lookup over the history
+
+
 class Drafter(Protocol):
     name: str
 
@@ -45,8 +59,8 @@ class Drafter(Protocol):
                 rng: Uniform) -> Proposal:
         """Up to ``max_n`` tokens continuing ``history`` (which ends with the last emitted token)."""
 
-    def accept(self, history: list[int], n_accepted: int) -> None:
-        """The round's outcome: ``history`` now holds the accepted drafts and the target's token."""
+    def native(self) -> NativeSpec | None:
+        """The native loop's form of this drafter, or None to run it in the Python loop."""
 
     def close(self) -> None:
         """Free what the drafter holds."""
@@ -64,8 +78,8 @@ class NoDrafter:
                 rng: Uniform) -> Proposal:
         return Proposal()
 
-    def accept(self, history: list[int], n_accepted: int) -> None:
-        pass
+    def native(self) -> NativeSpec:
+        return NativeSpec()
 
     def close(self) -> None:
         pass

@@ -10,7 +10,7 @@ target's verification stays exact.
 from __future__ import annotations
 
 from ..sampling import SamplingParams, Uniform
-from .base import Proposal, WantMore
+from .base import NativeSpec, Proposal, WantMore
 from .lookup import LookupDrafter
 from .model import ModelDrafter
 
@@ -32,8 +32,8 @@ class HierarchicalDrafter:
         guesses, _ = self.lookup.lookup(history, max_n)
         return self.inner.propose(history, want_more, max_n, params, rng, guess=guesses)
 
-    def accept(self, history: list[int], n_accepted: int) -> None:
-        self.inner.accept(history, n_accepted)
+    def native(self) -> NativeSpec:
+        return NativeSpec(draft_ctx=self.inner.ctx, lookup=(self.lookup.ngram_min, self.lookup.ngram_max))
 
     def close(self) -> None:
         self.inner.close()

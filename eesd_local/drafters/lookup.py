@@ -5,7 +5,7 @@ the answer copies its input (edits, code rewrites)."""
 from __future__ import annotations
 
 from ..sampling import SamplingParams, Uniform
-from .base import Proposal, WantMore
+from .base import NativeSpec, Proposal, WantMore
 
 
 class LookupDrafter:
@@ -59,8 +59,8 @@ class LookupDrafter:
             prop.add(tok, None, confidence)
         return prop
 
-    def accept(self, history: list[int], n_accepted: int) -> None:
-        pass
+    def native(self) -> NativeSpec:
+        return NativeSpec(lookup=(self.ngram_min, self.ngram_max))
 
     def close(self) -> None:
         pass

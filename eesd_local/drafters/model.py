@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import EesdError
 from ..runtime import Context, ContextParams, Model, common_prefix
 from ..sampling import SamplingParams, Uniform, probs, sample
-from .base import Proposal, WantMore
+from .base import NativeSpec, Proposal, WantMore
 
 
 def check_same_vocab(target: Model, draft: Model, what: str) -> None:
@@ -104,8 +104,8 @@ class ModelDrafter:
             rows = rows[: j + 1] + [ctx.logits()]
         return prop
 
-    def accept(self, history: list[int], n_accepted: int) -> None:
-        pass
+    def native(self) -> NativeSpec:
+        return NativeSpec(draft_ctx=self.ctx)
 
     def close(self) -> None:
         self.ctx.close()

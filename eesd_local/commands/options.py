@@ -1,0 +1,59 @@
+"""Command-line options shared by every command that opens an engine or samples.
+
+Each engine flag is named after its :class:`EngineConfig` field (``--n-ctx`` for ``n_ctx``),
+with the short spellings of earlier versions kept as aliases; defaults come from
+:class:`EngineConfig` itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from ..drafters import DRAFTERS
+from ..engine import EngineConfig
+from ..registry import DEFAULT_MODEL, known_models
+
+_DEFAULT = EngineConfig()
+
+
+def add_engine_args(p: argparse.ArgumentParser, *, positional_model: bool = False) -> None:
+    """The EngineConfig flags (``eesd generate``, ``eesd serve``, ``eesd-chat``)."""
+    model_help = f"registry name or GGUF path (default {DEFAULT_MODEL}, pulled if missing)"
+    if positional_model:
+        p.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=model_help)
+    else:
+        p.add_argument("--model", "-m", default=DEFAULT_MODEL, help=model_help)
+    p.add_argument("--drafter", default=_DEFAULT.drafter, choices=DRAFTERS,
+                   help="how drafts are made (default auto: eesd if a head is known, else lookup)")
+    p.add_argument("--head", help="exit-head GGUF path for the eesd drafter (default: the shipped head for the model)")
+    p.add_argument("--draft-model", help="registry name or GGUF of a separate draft model (same vocabulary)")
+    p.add_argument("--controller", default=None,
+                   help="draft-length controller: cost-ts (default), beta-ts, calibration-ts, fixed:K, pmin:P, heuristic")
+    p.add_argument("--draft-max", type=int, default=_DEFAULT.draft_max, help="most tokens drafted per round (default %(default)s)")
+    p.add_argument("--n-ctx", "--ctx", dest="n_ctx", type=int, default=_DEFAULT.n_ctx,
+                   help="context size in tokens (default %(default)s)")
+    p.add_argument("--n-gpu-layers", type=int, default=_DEFAULT.n_gpu_layers, help="layers to offload to the GPU (-1: all)")
+    p.add_argument("--n-threads", "--threads", dest="n_threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--batch-ms", type=float, default=_DEFAULT.batch_ms,
+                   help="native loop: milliseconds of rounds run before their tokens stream out (default %(default)s; 0: every round)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, *, max_tokens: int = 256) -> None:
+    """Sampling flags, named after :meth:`Engine.generate`'s arguments."""
+    p.add_argument("--max-tokens", "-n", type=int, default=max_tokens, help="most tokens generated (default %(default)s)")
+    p.add_argument("--temperature", "--temp", dest="temperature", type=float, default=0.0,
+                   help="temperature (0 = greedy, the default)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the flags ask for; registry models that are missing are pulled first."""
+    from .models import pull_with_progress
+
+    for name in (args.model, args.draft_model):
+        if name and name in known_models():
+            pull_with_progress(name)
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)})
