@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import eesd_local
-from eesd_local import engine as engine_mod
+from eesd_local import rounds as rounds_mod
 from eesd_local import heads, lossless
 from eesd_local.errors import EesdError
 from eesd_local.events import FinishEvent, RoundEvent, TokenEvent
@@ -68,7 +68,7 @@ def test_greedy_equals_plain_decoding(plain, name):
 def test_target_as_its_own_drafter_accepts_everything(plain, monkeypatch):
     eng0, prompts, outs = plain
     gaps: list[float] = []  # target logit gap at every greedy rejection
-    real_verify = engine_mod.verify_greedy
+    real_verify = rounds_mod.verify_greedy
 
     def recording_verify(logits, drafts, bonus=True):
         m, nxt = real_verify(logits, drafts, bonus)
@@ -76,7 +76,7 @@ def test_target_as_its_own_drafter_accepts_everything(plain, monkeypatch):
             gaps.append(float(logits[m][nxt] - logits[m][drafts[m]]))
         return m, nxt
 
-    monkeypatch.setattr(engine_mod, "verify_greedy", recording_verify)
+    monkeypatch.setattr(rounds_mod, "verify_greedy", recording_verify)
     monkeypatch.setenv("EESD_NATIVE", "0")  # the gaps are recorded in the Python loop's verify
     with eesd_local.load(QWEN05, n_ctx=2048, drafter="draft-model", draft_model=QWEN05, controller="fixed:4") as eng:
         rounds = 0

@@ -250,7 +250,7 @@ def test_bad_input_raises_never_crashes(tiny, monkeypatch):
             _native.Rounds(0, 4, 0, 0, *addresses())
         eng.ctx.close()  # a closed context: the glue refuses before any pointer is used
         with pytest.raises(EesdError, match="closed"):
-            native_round.NativeRounds(eng.ctx, eng.drafter, eng.controller, SamplingParams(), TokenRNG(0))
+            native_round.NativeRounds(eng.ctx, eng.drafter, eng.controller, SamplingParams(), TokenRNG(0), draft_max=8)
 
 
 def test_context_full_through_the_native_loop(tiny, monkeypatch):
