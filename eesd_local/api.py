@@ -1,6 +1,11 @@
 """The Python API: :func:`load` opens an :class:`LLM`, an engine with OpenAI-shaped completions
 (``create_completion``, ``create_chat_completion``) as llama-cpp-python users know them,
-on top of :meth:`Engine.generate`."""
+on top of :meth:`Engine.generate`.
+
+Greedy output equals plain decoding, except where the target's two best tokens tie within the
+float noise between batched and single-token decodes (the bench certifies each such divergence);
+sampling keeps the target's exact distribution (real speculative sampling, not "sample and match").
+"""
 
 from __future__ import annotations
 

@@ -25,7 +25,9 @@ COMMAND_MODULES = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="eesd", description="Lossless speculative decoding on llama.cpp.")
+    from .lossless import CLAIM
+
+    parser = argparse.ArgumentParser(prog="eesd", description="Lossless speculative decoding on llama.cpp.", epilog=CLAIM)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True

@@ -73,8 +73,8 @@ PROCESSES = {
     ]
 }
 
-# this machine's measured decode time of a batch of b tokens relative to b = 1 (Qwen2.5-Coder-0.5B,
-# 2 threads, shared/docs/design.md); linear between the measured sizes and beyond 16
+# decode time of a batch of b tokens relative to b = 1 on a 2-core CPU (Qwen2.5-Coder-0.5B, shipped
+# weights, 2 threads; the measurement is in BENCHMARKS.md); linear between the measured sizes and beyond 16
 _CPU_POINTS = [(1, 1.0), (2, 1.86), (4, 2.7), (5, 3.65), (8, 4.8), (16, 7.9)]
 
 
@@ -107,8 +107,8 @@ PROFILES = {
     for p in [
         CostProfile("gpu-d0.1", "gpu", 0.10, "flat verify (+1% per token), draft 0.10 of a target token"),
         CostProfile("gpu-d0.35", "gpu", 0.35, "flat verify (+1% per token), draft 0.35 of a target token"),
-        CostProfile("cpu-d0.1", "cpu", 0.10, "this CPU's verify curve, draft 0.10 of a target token"),
-        CostProfile("cpu-d0.35", "cpu", 0.35, "this CPU's verify curve, draft 0.35 of a target token"),
+        CostProfile("cpu-d0.1", "cpu", 0.10, "the 2-core CPU verify curve, draft 0.10 of a target token"),
+        CostProfile("cpu-d0.35", "cpu", 0.35, "the 2-core CPU verify curve, draft 0.35 of a target token"),
     ]
 }
 

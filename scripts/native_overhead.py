@@ -51,10 +51,10 @@ def measure(eng, prompt: list[int], native: bool, n_gen: int, max_tokens: int, *
     os.environ["EESD_NATIVE"] = "1" if native else "0"
     made: list = []
     in_round = [0.0]
-    real = eng._rounds
+    real = native_round.open_loop
 
-    def spy(*a):
-        r = real(*a)
+    def spy(*a, **k):
+        r, note = real(*a, **k)
         made.append(r)
         run = r.run
 
@@ -66,9 +66,9 @@ def measure(eng, prompt: list[int], native: bool, n_gen: int, max_tokens: int, *
                 in_round[0] += time.perf_counter() - t
 
         r.run = timed_run
-        return r
+        return r, note
 
-    eng._rounds = spy
+    native_round.open_loop = spy
     try:
         wall = decode = round_wall = round_decode = 0.0
         rounds = 0
@@ -91,7 +91,7 @@ def measure(eng, prompt: list[int], native: bool, n_gen: int, max_tokens: int, *
             made.clear()
             rounds += last.stats.n_rounds
     finally:
-        del eng._rounds
+        native_round.open_loop = real
     n = max(1, rounds)
     return (wall - decode) / n, (round_wall - round_decode) / n, rounds
 

@@ -7,4 +7,5 @@ if ! command -v tmux >/dev/null 2>&1; then  # the real-terminal check of eesd-ch
   (apt-get update -qq && apt-get install -y -qq tmux) >/dev/null 2>&1 || echo "note: could not install tmux"
 fi
 .venv/bin/ruff check eesd_local tui tests scripts
+.venv/bin/python -m mypy
 .venv/bin/python -m pytest -q "$@"

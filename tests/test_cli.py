@@ -49,7 +49,7 @@ def test_generate_cli_by_name_and_by_path(qwen05_path):
     assert r2.returncode == 0 and r2.stdout == r.stdout
 
 
-def _clean_error(r: subprocess.CompletedProcess[str], *needles: str) -> None:
+def _clean_error(r: subprocess.CompletedProcess[str], *needles: str) -> subprocess.CompletedProcess[str]:
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert "Traceback" not in r.stderr
     before, sep, _ = r.stderr.partition("eesd: error:")
@@ -58,6 +58,7 @@ def _clean_error(r: subprocess.CompletedProcess[str], *needles: str) -> None:
     assert all(line.startswith(("pull ", "drafter: ")) for line in before.splitlines()), r.stderr
     for n in needles:
         assert n in r.stderr
+    return r
 
 
 def test_bad_inputs_give_one_clean_error(tmp_path, qwen05_path):
@@ -73,6 +74,32 @@ def test_bad_inputs_give_one_clean_error(tmp_path, qwen05_path):
     blocker = tmp_path / "file-not-dir"
     blocker.write_text("")
     _clean_error(eesd("generate", "--model", QWEN05, "--prompt", "x", env={"EESD_HOME": str(blocker)}), "cache directory")
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_engine_option_errors_are_one_line_in_both_loops(qwen05_path, native):
+    env = {"EESD_NATIVE": native}
+    r = _clean_error(eesd("generate", "--model", QWEN05, "--prompt", "x", "--drafter", "lookup", "--draft-max", "1000", env=env),
+                     "does not fit", "--draft-max 511")
+    r = _clean_error(eesd("generate", "--model", QWEN05, "--prompt", "x", "--draft-max", "0", env=env), "draft_max")
+    assert "--max-draft" not in r.stderr  # a flag that does not exist
+
+
+def test_prompt_that_is_not_utf8(qwen05_path):
+    r = subprocess.run([sys.executable, "-m", "eesd_local.cli", "generate", "--model", QWEN05, "-p", "-", "-n", "2"],
+                       input=b"def f():\xff\xfe", capture_output=True, timeout=600)
+    assert r.returncode == 2 and b"Traceback" not in r.stderr and b"UTF-8" in r.stderr, r.stderr
+
+
+def test_a_full_context_is_said(qwen05_path):
+    r = eesd("generate", "--model", QWEN05, "--n-ctx", "10", "-n", "32", "--prompt", "def f(a, b):", "--drafter", "none")
+    assert r.returncode == 0, r.stderr
+    assert "[context]" in r.stderr and "context of 10 tokens is full" in r.stderr and "--n-ctx" in r.stderr
+
+
+def test_old_flag_spellings_still_work(qwen05_path):
+    r = eesd("generate", "--model", QWEN05, "--ctx", "256", "--threads", "2", "--temp", "0", "-n", "2", "--prompt", "def f():")
+    assert r.returncode == 0, r.stderr
 
 
 def test_models_list_shows_presence(qwen05_path):
@@ -113,3 +140,13 @@ def test_no_half_written_model_after_failed_pull(tmp_path):
     r = eesd("models", "pull", QWEN05, env={"EESD_HOME": str(home), "EESD_INDEX_URL": "http://127.0.0.1:9/simple"}, timeout=60)
     _clean_error(r, "package index")
     assert not any(p.suffix == ".gguf" for p in Path(home).rglob("*"))
+
+
+def test_every_engine_option_is_a_flag():
+    """The engine flags map one-to-one onto EngineConfig (but the controller's seed)."""
+    import dataclasses
+
+    from eesd_local.commands.options import ENGINE_FLAGS
+    from eesd_local.engine import EngineConfig
+
+    assert set(ENGINE_FLAGS) == {f.name for f in dataclasses.fields(EngineConfig)} - {"seed"}

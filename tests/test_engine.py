@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import eesd_local
-from eesd_local import rounds as rounds_mod
 from eesd_local import heads, lossless
+from eesd_local import rounds as rounds_mod
 from eesd_local.errors import EesdError
 from eesd_local.events import FinishEvent, RoundEvent, TokenEvent
 

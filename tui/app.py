@@ -375,8 +375,10 @@ def swap_controller(engine: Engine, spec: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from eesd_local.commands.options import add_engine_args
+    from eesd_local.lossless import CLAIM
 
-    p = argparse.ArgumentParser(prog="eesd-chat", description="A terminal chat that shows speculative decoding live.")
+    p = argparse.ArgumentParser(prog="eesd-chat", description="A terminal chat that shows speculative decoding live.",
+                                epilog=CLAIM)
     add_engine_args(p, positional_model=True)
     p.add_argument("--temperature", "--temp", dest="temperature", type=float, default=0.0, help="temperature (0 = greedy, the default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")

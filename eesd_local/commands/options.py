@@ -8,13 +8,15 @@ with the short spellings of earlier versions kept as aliases; defaults come from
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from ..drafters import DRAFTERS
 from ..engine import EngineConfig
 from ..registry import DEFAULT_MODEL, known_models
 
 _DEFAULT = EngineConfig()
+# the EngineConfig fields that add_engine_args makes flags of (seed is the controller's, not sampling's --seed)
+ENGINE_FLAGS = ("model", "drafter", "head", "draft_model", "controller", "draft_max", "n_ctx", "n_gpu_layers", "n_threads",
+                "batch_ms")
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, positional_model: bool = False) -> None:
@@ -56,4 +58,4 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     for name in (args.model, args.draft_model):
         if name and name in known_models():
             pull_with_progress(name)
-    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)})
+    return EngineConfig(**{name: getattr(args, name) for name in ENGINE_FLAGS})

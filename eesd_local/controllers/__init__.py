@@ -3,7 +3,7 @@
 The engine asks ``draft_more(step, confidence)`` before every draft step and reports
 each round's outcome to ``end_round``. Every controller is one float64 state array plus
 three Numba kernels (:mod:`.kernels`): a compiled decision costs 0.05-0.3 us (about 1 us
-with the call from Python), and the native loop can call the same code later. Same spec
+with the call from Python), and the native loop calls the same compiled code as cfuncs. Same spec
 and seed, same decisions, compiled or not.
 
 Specs: ``beta-ts``, ``calibration-ts``, ``cost-ts`` (Thompson sampling, see
@@ -32,7 +32,7 @@ from .thompson import BIN_PRIOR, bin_prior_mean  # noqa: E402
 
 CONTROLLER_CHOICES = ["cost-ts", "beta-ts", "calibration-ts", "fixed:K", "pmin:P", "heuristic"]
 # cost-ts: >= 0.98 of the best fixed k in hindsight on every process and cost profile of `eesd simulate`
-# (beta-ts and calibration-ts match it on the flat GPU profiles but fall to 0.56-0.89 on this CPU's curve)
+# (beta-ts and calibration-ts match it on the flat GPU profiles but fall to 0.56-0.89 on the CPU profiles: BENCHMARKS.md)
 DEFAULT_CONTROLLER = "cost-ts"
 DEFAULT_PMIN = 0.75  # llama.cpp's default p_min for greedy speculative decoding
 TS_EPS = 0.01  # exploration budget: a closed gate spends about this share of the time on one-token probes

@@ -1,8 +1,7 @@
 """The three entry points every controller state goes through, dispatched on its kind.
 
-C-friendly signatures, so the native round loop can take the same code as Numba
-``cfunc``s later: wrap each as ``cfunc(sig)(lambda ptr, n, ...: kernel(carray(ptr, n), ...))``
-with the state as (double*, length):
+C-friendly signatures, so the native round loop takes the same code as Numba ``cfunc``s
+(:mod:`.cfuncs` wraps each over the state as (double*, length)):
 
     controller_begin(state: float64[:]) -> None
     controller_decide(state: float64[:], step: int64, confidence: float64) -> int64 (1: draft one more)

@@ -35,14 +35,14 @@ Exploration where drafting does not pay. TS samples from the tail of the posteri
 would keep buying long drafts that cost several target tokens each. So when no k pays
 even at a mildly optimistic theta_1 (posterior mean + GATE_Z sd), the gate closes: a
 round then drafts nothing, or with a small chance one token, a *probe*. Where a batch
-of two costs more than the bonus token is worth (this CPU: V(2) - V(1) > theta_1 V(1)),
+of two costs more than the bonus token is worth (V(2) - V(1) > theta_1 V(1), as on small CPUs),
 the probe is verified WITHOUT its bonus: the target decodes only [last], exactly what
 plain decoding does, and its one token is the draft if accepted, else the correction.
 Such a probe costs just one draft step over plain decoding, so probes can be frequent
 (their chance is set so they take about EPS of the time: every round for a free lookup
 drafter, ~3% of rounds for a drafter at 0.35 of a target token). theta_1's evidence
 ages by the round, observed or not, so after a long closed spell a few probes move it:
-the gate reopens within ~170 rounds of a switch to an easy regime on this CPU's profile
+the gate reopens within ~170 rounds of a switch to an easy regime on the cpu profiles
 (simulator) while costing ~1% where nothing pays.
 
 RULE = 1 is the EESD paper's rule, kept for comparison: at each step sample theta (the

@@ -93,7 +93,7 @@ def chat_formatter(model_path: Path) -> Callable[[list[dict]], str]:
     )
 
     def render(messages: list[dict]) -> str:
-        return fmt(messages=messages).prompt
+        return fmt(messages=messages).prompt  # type: ignore[arg-type]  # plain role/content dicts
 
     return render
 

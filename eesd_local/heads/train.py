@@ -129,7 +129,9 @@ def load_sequences(data_dir: Path, n: int, top_k: int, max_tokens: int | None = 
 
 def _batches(seqs: list[Seq], batch_tokens: int, rng: np.random.Generator) -> list[list[int]]:
     order = rng.permutation(len(seqs))
-    batches, cur, cur_max = [], [], 0
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    cur_max = 0
     for i in order:
         L = len(seqs[i].hid)
         if cur and max(cur_max, L) * (len(cur) + 1) > batch_tokens:
