@@ -33,7 +33,7 @@ from .sampling import SamplingParams, Uniform, probs, sample
 @dataclass
 class EngineConfig:
     model: str = "qwen2.5-coder-0.5b-instruct"
-    drafter: str = "auto"  # auto | none | eesd | lookup | draft-model | hierarchical
+    drafter: Any = "auto"  # auto | none | eesd | lookup | draft-model | hierarchical, or a Drafter object
     head: str | None = None  # exit-head GGUF for eesd (default: the shipped head for the model)
     draft_model: str | None = None  # GGUF or registry name for draft-model
     controller: Any = None  # a Controller, a spec like "cost-ts" / "fixed:4", or None for the default

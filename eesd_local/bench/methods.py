@@ -125,8 +125,9 @@ class EngineMethod:
         self.spec = spec
         self.engine = engine
         self.drafter = engine.drafter.name
-        self.controller = "-" if spec.drafter == "none" else str(getattr(engine.controller, "name", spec.controller))
-        draft = getattr(engine.drafter, "model", None) or getattr(getattr(engine.drafter, "inner", None), "model", None)
+        self.controller = "-" if spec.drafter == "none" else engine.controller.name
+        form = engine.drafter.native()  # a draft context, if the drafter runs one, is the weights it adds
+        draft = form.draft_ctx.model if form is not None and form.draft_ctx is not None else None
         self.model_bytes = int(engine.model.size_bytes) + (int(draft.size_bytes) if draft is not None else 0)
 
     def generate(self, prompt: list[int], s: Sampling) -> Turn:

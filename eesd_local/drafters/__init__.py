@@ -53,6 +53,8 @@ def make_drafter(config: Any, model: Model) -> tuple[Drafter, str]:
     from .model import ModelDrafter
 
     kind = config.drafter
+    if not isinstance(kind, str):  # a drafter object (anything with the Drafter protocol's methods)
+        return kind, f"drafter: {kind.name}"
     if kind not in DRAFTERS:
         raise EesdError(f"unknown drafter {kind!r}", hint=f"choose one of {', '.join(DRAFTERS)}")
     common = dict(n_ctx=config.n_ctx, n_gpu_layers=config.n_gpu_layers, n_threads=config.n_threads)

@@ -301,3 +301,43 @@ def test_randomised_interleaving(loop, reference):
     finally:
         kept.clear()
         eng.close()
+
+
+class _EveryOther:
+    """A drafter written outside the package: proposes the token that came two steps back."""
+
+    name = "every-other"
+
+    def __init__(self, native: bool) -> None:
+        self._native = native
+
+    def begin(self, prompt):
+        pass
+
+    def propose(self, history, want_more, max_n, params, rng):
+        from eesd_local.drafters.base import Proposal
+
+        prop = Proposal()
+        if max_n > 0 and len(history) >= 2 and want_more(0, 1.0):
+            prop.add(history[-2], None, 0.5)
+        return prop
+
+    def native(self):
+        from eesd_local.drafters.base import NativeSpec
+
+        return NativeSpec(lookup=(1, 2)) if self._native else None
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_drafter_is_its_module(native, reference):
+    """A drafter object plugs in with no engine change; without a native form it runs in the
+    Python loop (and says so), with one it runs natively; greedy output stays plain decoding's."""
+    with _open(_EveryOther(native), controller="fixed:1") as eng:
+        toks, fin = _toks(eng.generate(PROMPTS[0], max_tokens=MAX))
+        want = "round loop: native" if native else "round loop: Python (the drafter every-other has no native form)"
+        assert eng.loop_note == want
+        assert fin.stats.n_drafted > 0
+        assert toks == reference[PROMPTS[0]]  # this prompt has no near tie in its first tokens
