@@ -122,7 +122,7 @@ def test_cancel_leaves_cache_consistent(plain):
     assert lossless.compare(eng0.model, prompts[2], outs[2], got) is None or lossless.compare(eng0.model, prompts[2], outs[2], got).near_tie
 
 
-def test_context_full_stops_with_length():
+def test_context_full_stops_with_reason_context():
     with eesd_local.load(QWEN05, n_ctx=256, drafter="lookup") as eng:
         n_ctx = eng.ctx.n_ctx  # llama.cpp may round the size up
         unit = eng.tokenize("def f(x):\n    return x\n")

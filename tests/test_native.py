@@ -259,7 +259,7 @@ def test_context_full_through_the_native_loop(tiny, monkeypatch):
     with eesd_local.load(target, drafter="lookup", n_ctx=256, controller="fixed:4") as eng:
         n_ctx = eng.ctx.n_ctx
         fin = eng.run((TINY_PROMPT * 3)[: n_ctx - 20], max_tokens=200)
-        assert fin.reason == "length" and 0 < fin.stats.n_generated <= 21
+        assert fin.reason == "context" and 0 < fin.stats.n_generated <= 21
 
 
 def test_version_mismatch_is_refused_at_import():
