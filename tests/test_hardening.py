@@ -1,0 +1,156 @@
+"""Issue #14: the engine never answers wrong and never takes the process down.
+
+Damaged files give one EesdError (fuzzed GGUF readers), a killed write leaves nothing behind
+for long, Ctrl-C at any moment exits 130 without a traceback, and each bad input names itself.
+Fast: the tiny synthetic GGUF stands in wherever a real model is not needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from eesd_local import registry
+from eesd_local.errors import EesdError
+from eesd_local.heads import ggufraw, headfile
+from eesd_local.tinygguf import write_tiny_gguf
+
+SHIPPED_HEAD = registry.models_dir() / "qwen2.5-coder-0.5b-instruct.exit6.gguf"
+FUZZ_N = int(os.environ.get("EESD_FUZZ_N", "300"))  # cases per file; CI runs the default, more by hand
+FUZZ_SEED = int(os.environ.get("EESD_FUZZ_SEED", "14"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", n_vocab=300, n_ctx=16384)
+
+
+# --- fuzzing the GGUF and head readers ------------------------------------------------------
+
+
+def mutants(data: bytes, header_end: int, n: int, seed: int):
+    """``n`` damaged copies of ``data``: (label, bytes). Half truncations, half byte flips;
+    most land in the header (metadata and tensor infos), where the reader's decisions are."""
+    rng = random.Random(seed)
+    for i in range(n):
+        if i % 2 == 0:
+            cut = rng.randrange(header_end + 64) if rng.random() < 0.8 else rng.randrange(len(data))
+            yield f"truncate@{cut}", data[:cut]
+        else:
+            buf = bytearray(data)
+            spots = []
+            for _ in range(rng.choice((1, 1, 2, 4, 8))):
+                at = rng.randrange(4, header_end)  # the magic is checked first; flips there are dull
+                buf[at] ^= rng.choice((0x01, 0x80, 0xFF, rng.randrange(1, 256)))
+                spots.append(at)
+            yield f"flip@{','.join(map(str, spots))}", bytes(buf)
+
+
+def parse_all(path: Path, head: bool) -> str:
+    """Every Python reader over ``path``: 'ok' or 'EesdError'; anything else escapes (a bug)."""
+    try:
+        registry.check_gguf(path, what="head" if head else "model")
+        ggufraw.read_header(path, keep_strings=("tokenizer.ggml.tokens",))
+        if head:
+            headfile.read_head_info(path)
+            headfile.head_tensors(path)
+        else:
+            headfile.model_info(path)
+    except EesdError as exc:
+        assert exc.message and "\n" not in exc.message
+        return "EesdError"
+    return "ok"
+
+
+@pytest.mark.parametrize("which", ["head", "tiny"])
+def test_fuzzed_gguf_gives_eesd_error_or_a_valid_load(which, tiny, tmp_path, isolated_home):
+    src = SHIPPED_HEAD if which == "head" else tiny
+    data = src.read_bytes()
+    header_end = ggufraw.read_header(src).data_offset
+    target = tmp_path / f"fuzz-{which}.gguf"
+    outcomes: dict[str, int] = {}
+    for label, blob in mutants(data, header_end, FUZZ_N, FUZZ_SEED):
+        target.write_bytes(blob)
+        try:
+            got = parse_all(target, head=which == "head")
+        except Exception as exc:  # the label and seed reproduce it
+            raise AssertionError(f"{which} {label} (EESD_FUZZ_SEED={FUZZ_SEED}): {type(exc).__name__}: {exc}") from exc
+        outcomes[got] = outcomes.get(got, 0) + 1
+    assert outcomes.get("EesdError", 0) > FUZZ_N // 4, outcomes  # the damage is seen, not waved through
+
+
+LOAD_BATCH = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    from eesd_local.errors import EesdError
+    from eesd_local.registry import check_gguf
+    from eesd_local.runtime import Context, ContextParams, Model
+    for path in map(Path, json.loads(sys.argv[1])):
+        print("case", path.name, flush=True)
+        try:
+            model = Model(check_gguf(path))
+            ctx = Context(model, ContextParams(n_ctx=64, n_batch=64, n_threads=1))
+            ctx.decode(model.tokenize("hello"), n_logits=1)
+            ctx.close()
+            model.close()
+            print("ok", flush=True)
+        except EesdError as exc:
+            print("EesdError", exc.message, flush=True)
+""")
+
+
+def test_fuzzed_gguf_never_crashes_llama_cpp(tiny, tmp_path, isolated_home):
+    """The damaged files that reach llama.cpp (through check_gguf) load or fail cleanly: in a
+    subprocess, so an abort or a segfault fails this test instead of killing the run."""
+    data = tiny.read_bytes()
+    header_end = ggufraw.read_header(tiny).data_offset
+    paths = []
+    for i, (_, blob) in enumerate(mutants(data, header_end, max(40, FUZZ_N // 3), FUZZ_SEED + 1)):
+        p = tmp_path / f"case{i:04d}.gguf"
+        p.write_bytes(blob)
+        paths.append(str(p))
+    r = subprocess.run([sys.executable, "-c", LOAD_BATCH, json.dumps(paths)], capture_output=True, text=True, timeout=600)
+    lines = r.stdout.splitlines()
+    last = next((line for line in reversed(lines) if line.startswith("case ")), "none")
+    assert r.returncode == 0, f"died at {last} (rc {r.returncode}): {r.stderr[-2000:]}"
+    results = [line.split()[0] for line in lines if not line.startswith("case ")]
+    assert len(results) == len(paths) and set(results) <= {"ok", "EesdError"}
+    assert "EesdError" in results
+
+
+def test_damaged_byte_token_is_refused_before_llama_cpp(tiny, tmp_path):
+    """llama.cpp looks "<0x81>" up with unordered_map::at when it tokenizes "▁" (E2 96 81): a flipped
+    byte token made it throw an uncaught C++ exception, which aborts the process."""
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(tiny.read_bytes().replace(b"<0x81>", b"=0x81>", 1))
+    with pytest.raises(EesdError, match="byte tokens missing or malformed"):
+        registry.check_gguf(bad)
+
+
+def test_truncated_model_is_refused_before_llama_cpp(tiny, tmp_path):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny.read_bytes()[: tiny.stat().st_size // 2])
+    with pytest.raises(EesdError, match="truncated"):
+        registry.check_gguf(cut)
+
+
+# --- bad input names itself -----------------------------------------------------------------
+
+
+def test_missing_head_says_pass_a_head_path(tiny, isolated_home, tmp_path):
+    from eesd_local.drafters import resolve_head
+
+    with pytest.raises(EesdError) as err:
+        resolve_head(str(tmp_path / "missing.gguf"))
+    assert "exit-head file not found" in err.value.message
+    assert "pass an exit-head GGUF path" in err.value.hint and "eesd models list" not in err.value.hint
+    with pytest.raises(EesdError) as err:
+        registry.check_gguf(tmp_path / "missing.gguf")  # a model keeps its hint
+    assert "registry name" in err.value.hint
