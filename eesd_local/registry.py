@@ -23,7 +23,7 @@ from functools import cache
 from importlib import resources
 from pathlib import Path
 
-from .atomic import atomic_path
+from .atomic import atomic_path, remove_stale_temps
 from .errors import EesdError
 from .paths import cache_dir, package_root
 
@@ -247,6 +247,7 @@ def _download(url: str, dest: Path, sha256: str, size: int, on_bytes: Callable[[
 def pull(name: str, *, progress: Progress | None = None, keep_parts: bool = False) -> Path:
     """Download, assemble and verify a registry model; return its path in the cache."""
     spec = get_spec(name)
+    remove_stale_temps(spec.path.parent)  # what a pull killed while assembling left behind
     if is_present(spec):
         return spec.path
     downloads = cache_dir("downloads")

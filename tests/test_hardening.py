@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import textwrap
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from eesd_local import registry
+from eesd_local.atomic import atomic_path, remove_stale_temps, write_text_atomic
 from eesd_local.errors import EesdError
 from eesd_local.heads import ggufraw, headfile
 from eesd_local.tinygguf import write_tiny_gguf
@@ -139,6 +141,76 @@ def test_truncated_model_is_refused_before_llama_cpp(tiny, tmp_path):
     cut.write_bytes(tiny.read_bytes()[: tiny.stat().st_size // 2])
     with pytest.raises(EesdError, match="truncated"):
         registry.check_gguf(cut)
+
+
+# --- stale temporary files ------------------------------------------------------------------
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid  # reaped: no process has this id (until the kernel reuses it)
+
+
+def test_next_write_removes_temp_files_of_dead_processes(tmp_path):
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        stale = tmp_path / f".model.gguf.tmp-{dead_pid()}"
+        stale.write_bytes(b"half a model")
+        busy = tmp_path / f".other.gguf.tmp-{live.pid}"  # another process building a file right now
+        busy.write_bytes(b"in progress")
+        mine = tmp_path / f".mine.tmp-{os.getpid()}"
+        mine.write_bytes(b"ours")
+        unrelated = tmp_path / "notes.tmp-12"  # not hidden: not a name atomic_path writes
+        unrelated.write_text("keep")
+        write_text_atomic(tmp_path / "index.json", "{}")
+        assert not stale.exists()
+        assert busy.exists() and mine.exists() and unrelated.exists()
+        assert (tmp_path / "index.json").read_text() == "{}"
+    finally:
+        live.kill()
+        live.wait()
+    assert remove_stale_temps(tmp_path) == [busy]  # its process is gone now
+
+
+def test_a_write_in_progress_survives_another_write(tmp_path):
+    with atomic_path(tmp_path / "a.gguf") as tmp_a:
+        tmp_a.write_bytes(b"a")
+        write_text_atomic(tmp_path / "b.json", "b")  # the sweep runs, and leaves our own file alone
+        assert tmp_a.exists()
+    assert (tmp_path / "a.gguf").read_bytes() == b"a"
+
+
+def test_a_pull_killed_while_assembling_is_cleaned_up_by_the_next_run(tmp_path, isolated_home):
+    models = isolated_home / "models"
+    code = textwrap.dedent(f"""
+        import os, sys, time
+        from eesd_local.atomic import atomic_path
+        with atomic_path({str(models / "m.gguf")!r}) as tmp:
+            tmp.write_bytes(b"x" * 1000)
+            print("writing", flush=True)
+            time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
+    proc.send_signal(signal.SIGKILL)  # no finally runs: the temporary file stays
+    proc.wait()
+    left = list(models.glob(".m.gguf.tmp-*"))
+    assert len(left) == 1
+    with pytest.raises(EesdError):
+        registry.pull("no-such-model")  # any pull ... (this one fails at once)
+    assert left[0].exists()
+    write_text_atomic(models / "other.txt", "x")  # ... or any write into the folder sweeps it
+    assert not left[0].exists()
+
+
+def test_pull_sweeps_the_models_folder(isolated_home, monkeypatch):
+    spec = next(iter(registry.known_models().values()))
+    stale = spec.path.parent / f".{spec.file}.tmp-{dead_pid()}"
+    stale.write_bytes(b"x")
+    monkeypatch.setattr(registry, "is_present", lambda s: True)  # nothing to download: the sweep alone
+    registry.pull(spec.name)
+    assert not stale.exists()
 
 
 # --- bad input names itself -----------------------------------------------------------------
