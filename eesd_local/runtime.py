@@ -106,7 +106,10 @@ class Model:
     # --- tokens ----------------------------------------------------------
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        data = text.encode("utf-8")
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # lone surrogates: undecodable bytes of argv or stdin (surrogateescape)
+            raise _not_utf8(text, exc.start) from None
         cap = len(data) + 8
         buf = (lc.llama_token * cap)()
         n = lc.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
@@ -150,6 +153,18 @@ class Model:
             pass
 
 
+def _not_utf8(text: str, i: int) -> EesdError:
+    """The error for a str holding a lone surrogate at index ``i`` (not encodable as UTF-8)."""
+    code = ord(text[i])
+    # Python decodes argv (and stdin, in a C locale) with surrogateescape: byte b becomes U+DC00+b
+    what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
+    before = text[max(0, i - 20):i].encode("utf-8", "replace").decode("utf-8")
+    return EesdError(
+        f"the prompt is not valid UTF-8 text: {what} at character {i} of {len(text)} (after {before!r})",
+        hint="pass the prompt as UTF-8 (convert a file first, e.g. iconv -f latin1 -t utf-8 FILE), or remove that byte",
+    )
+
+
 class Detokenizer:
     """Incremental token -> text: holds back bytes of an incomplete UTF-8 character."""
 
@@ -179,6 +194,10 @@ class Context:
 
     def __init__(self, model: Model, params: ContextParams | None = None) -> None:
         params = params or ContextParams()
+        if params.n_ctx < 1:  # llama.cpp reads 0 as "the model's size" and fails on negatives with a misleading error
+            raise EesdError(f"--ctx must be a positive number of tokens, got {params.n_ctx}", hint="e.g. --ctx 4096")
+        if params.n_batch < 1:
+            raise EesdError(f"the batch size must be a positive number of tokens, got {params.n_batch}")
         self.model = model
         cp = lc.llama_context_default_params()
         cp.n_ctx = params.n_ctx
@@ -231,6 +250,14 @@ class Context:
         n = len(tokens)
         if n == 0:
             return 0
+        n_vocab = self.model.n_vocab
+        for i, tok in enumerate(tokens):  # llama.cpp rejects the whole batch with code -1 and says nothing more
+            if not 0 <= tok < n_vocab:
+                raise EesdError(
+                    f"token id {tok} (position {i} of {n}) is not in the vocabulary of {self.model.path.name}: "
+                    f"ids run from 0 to {n_vocab - 1}",
+                    hint="pass token ids made by this model's tokenizer",
+                )
         if self.n_past + n > self.n_ctx:
             raise ContextFullError(
                 f"the context is full: {self.n_past} + {n} tokens exceed n_ctx={self.n_ctx}",

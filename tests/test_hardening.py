@@ -242,6 +242,62 @@ def test_ctrl_c_at_any_time_is_clean(delay, tiny, isolated_home):
 # --- bad input names itself -----------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def tiny_model(tiny):
+    from eesd_local.runtime import Model
+
+    model = Model(tiny)
+    yield model
+    model.close()
+
+
+def test_prompt_with_undecodable_bytes(tiny_model):
+    text = "def f():" + b"\xff\xfe".decode("utf-8", "surrogateescape") + " pass"  # how argv and stdin arrive
+    with pytest.raises(EesdError) as err:
+        tiny_model.tokenize(text)
+    assert "not valid UTF-8" in err.value.message and "byte 0xff at character 8" in err.value.message
+    assert err.value.hint and "UTF-8" in err.value.hint
+    with pytest.raises(EesdError, match=r"lone surrogate U\+D800 at character 1"):
+        tiny_model.tokenize("a\ud800b")
+
+
+def test_prompt_with_undecodable_bytes_from_argv(tiny, isolated_home):
+    r = subprocess.run([sys.executable, "-m", "eesd_local.cli", "generate", "--model", str(tiny), "--drafter", "lookup",
+                        "--prompt", os.fsdecode(b"caf\xe9 au lait"), "--max-tokens", "4"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "not valid UTF-8 text: byte 0xe9 at character 3" in r.stderr
+
+
+@pytest.mark.parametrize("n_ctx", [0, -1])
+def test_ctx_must_be_positive(tiny_model, n_ctx):
+    from eesd_local.runtime import Context, ContextParams
+
+    with pytest.raises(EesdError, match="--ctx must be a positive number of tokens"):
+        Context(tiny_model, ContextParams(n_ctx=n_ctx))
+
+
+def test_ctx_negative_from_the_cli(tiny, isolated_home):
+    r = subprocess.run([sys.executable, "-m", "eesd_local.cli", "generate", "--model", str(tiny), "--drafter", "lookup",
+                        "--prompt", "x", "--ctx", "-1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "--ctx must be a positive number of tokens" in r.stderr and "smaller --ctx" not in r.stderr
+
+
+@pytest.mark.parametrize("bad", [-1, 300, 10**9])
+def test_token_ids_out_of_range(tiny_model, bad):
+    from eesd_local.runtime import Context, ContextParams
+
+    ctx = Context(tiny_model, ContextParams(n_ctx=64, n_threads=1))
+    try:
+        with pytest.raises(EesdError, match=f"token id {bad} \\(position 2 of 3\\).*0 to 299"):
+            ctx.decode([1, 5, bad])
+        assert ctx.n_past == 0  # nothing was decoded
+        ctx.decode([1, 5, 299])  # the highest id is fine
+        assert ctx.n_past == 3
+    finally:
+        ctx.close()
+
+
 def test_missing_head_says_pass_a_head_path(tiny, isolated_home, tmp_path):
     from eesd_local.drafters import resolve_head
 
