@@ -122,6 +122,7 @@ class Model:
     def token_to_piece(self, token: int, *, special: bool = False) -> bytes:
         if not special and token in self._pieces:
             return self._pieces[token]
+        self.check_token(token)
         buf = ctypes.create_string_buffer(64)
         n = lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         if n < 0:
@@ -132,12 +133,22 @@ class Model:
             self._pieces[token] = piece
         return piece
 
+    def check_token(self, token: int, where: str = "") -> None:
+        """llama.cpp indexes its vocabulary with .at(): an id outside it throws a C++ exception
+        that nothing catches, and the process aborts. Refuse it here instead."""
+        if not 0 <= token < self.n_vocab:
+            raise EesdError(
+                f"token id {token}{where} is not in the vocabulary of {self.path.name}: ids run from 0 to {self.n_vocab - 1}",
+                hint="pass token ids made by this model's tokenizer",
+            )
+
     def detokenize(self, tokens: Sequence[int]) -> str:
         return b"".join(self.token_to_piece(t) for t in tokens).decode("utf-8", errors="replace")
 
     def is_eog(self, token: int) -> bool:
         eog = self._eog.get(token)
         if eog is None:  # asked once per emitted token: remember the answer rather than call llama.cpp
+            self.check_token(token)
             eog = self._eog[token] = bool(lc.llama_vocab_is_eog(self.vocab, token))
         return eog
 
@@ -253,11 +264,7 @@ class Context:
         n_vocab = self.model.n_vocab
         for i, tok in enumerate(tokens):  # llama.cpp rejects the whole batch with code -1 and says nothing more
             if not 0 <= tok < n_vocab:
-                raise EesdError(
-                    f"token id {tok} (position {i} of {n}) is not in the vocabulary of {self.model.path.name}: "
-                    f"ids run from 0 to {n_vocab - 1}",
-                    hint="pass token ids made by this model's tokenizer",
-                )
+                self.model.check_token(tok, f" (position {i} of {n})")
         if self.n_past + n > self.n_ctx:
             raise ContextFullError(
                 f"the context is full: {self.n_past} + {n} tokens exceed n_ctx={self.n_ctx}",

@@ -298,6 +298,14 @@ def test_token_ids_out_of_range(tiny_model, bad):
         ctx.close()
 
 
+def test_token_ids_out_of_range_in_the_vocabulary_calls(tiny_model):
+    """llama.cpp's token_to_piece and is_eog abort the process on an id outside the vocabulary."""
+    for call in (tiny_model.token_to_piece, tiny_model.is_eog, lambda t: tiny_model.detokenize([5, t])):
+        with pytest.raises(EesdError, match="token id 300 is not in the vocabulary"):
+            call(300)
+    assert tiny_model.detokenize([299]) and not tiny_model.is_eog(299)
+
+
 def test_missing_head_says_pass_a_head_path(tiny, isolated_home, tmp_path):
     from eesd_local.drafters import resolve_head
 
