@@ -34,7 +34,7 @@ def _alive(pid: int) -> bool:
 
 def remove_stale_temps(folder: str | Path) -> list[Path]:
     """Remove the temporary files of writes whose process died (a killed pull, a crash); return them."""
-    removed = []
+    removed: list[Path] = []
     try:
         entries = list(os.scandir(folder))
     except OSError:

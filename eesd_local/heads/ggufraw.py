@@ -247,7 +247,8 @@ def check_vocab(h: GGUFHeader) -> None:
         raise _corrupt(h.path, "unknown token types in tokenizer.ggml.token_type")
     have = set(tokens)
     if kind == "llama" and types.size and (types == 6).any():  # SentencePiece with byte fallback
-        missing = [f"<0x{b:02X}>" for b in range(256) if f"<0x{b:02X}>" not in have]
+        # byte_to_token looks up "<0xXX>", else the byte itself as a one-character token
+        missing = [f"<0x{b:02X}>" for b in range(256) if f"<0x{b:02X}>" not in have and (b >= 0x80 or chr(b) not in have)]
         bad = [tokens[i] for i in np.flatnonzero(types == 6) if len(tokens[i]) != 6 or not tokens[i].startswith("<0x")]
         if missing or bad:
             raise _corrupt(h.path, f"byte tokens missing or malformed: {(missing + bad)[:3]}")
