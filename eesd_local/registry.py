@@ -110,8 +110,8 @@ def check_gguf(path: Path, *, what: str = "model") -> Path:
 
     ``what`` is "model" or "head" (an exit-head file, named only by path). The whole header is
     parsed and checked in Python (counts, lengths, types, tensor offsets and sizes against the
-    file, the vocabulary's byte tokens), so llama.cpp is never handed a truncated or corrupt
-    file it would crash on.
+    file, hyperparameters llama.cpp asserts on, the vocabulary's byte tokens), so llama.cpp is
+    never handed a truncated or corrupt file it would crash on.
     """
     if what == "head":
         hint = "pass an exit-head GGUF path (--head takes a file, not a registry name; make one with `eesd heads train`)"
@@ -137,9 +137,9 @@ def check_gguf(path: Path, *, what: str = "model") -> Path:
 @cache
 def _check_header(path: str, size: int, mtime_ns: int) -> None:
     """Parse the header once per file version (size and mtime in the key); raises EesdError."""
-    from .heads.ggufraw import check_vocab, read_header
+    from .heads.ggufraw import check_for_llama, read_header
 
-    check_vocab(read_header(Path(path), keep_strings=("tokenizer.ggml.tokens",)))
+    check_for_llama(read_header(Path(path), keep_strings=("tokenizer.ggml.tokens",)))
 
 
 def resolve_model(model: str | os.PathLike[str], *, pull_missing: bool = True, progress: Progress | None = None) -> Path:

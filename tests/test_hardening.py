@@ -11,6 +11,7 @@ import json
 import os
 import random
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -109,9 +110,20 @@ LOAD_BATCH = textwrap.dedent("""
 """)
 
 
+def load_in_subprocess(paths: list[str]) -> list[str]:
+    """LOAD_BATCH over ``paths`` in a child process: 'ok' or 'EesdError' per file; an abort or a
+    segfault fails the calling test (naming the file) instead of killing the test run."""
+    r = subprocess.run([sys.executable, "-c", LOAD_BATCH, json.dumps(paths)], capture_output=True, text=True, timeout=600)
+    lines = r.stdout.splitlines()
+    last = next((line for line in reversed(lines) if line.startswith("case ")), "none")
+    assert r.returncode == 0, f"died at {last} (rc {r.returncode}): {r.stderr[-2000:]}"
+    results = [line.split()[0] for line in lines if not line.startswith("case ")]
+    assert len(results) == len(paths) and set(results) <= {"ok", "EesdError"}
+    return results
+
+
 def test_fuzzed_gguf_never_crashes_llama_cpp(tiny, tmp_path, isolated_home):
-    """The damaged files that reach llama.cpp (through check_gguf) load or fail cleanly: in a
-    subprocess, so an abort or a segfault fails this test instead of killing the run."""
+    """The damaged files that reach llama.cpp (through check_gguf) load or fail cleanly."""
     data = tiny.read_bytes()
     header_end = ggufraw.read_header(tiny).data_offset
     paths = []
@@ -119,13 +131,30 @@ def test_fuzzed_gguf_never_crashes_llama_cpp(tiny, tmp_path, isolated_home):
         p = tmp_path / f"case{i:04d}.gguf"
         p.write_bytes(blob)
         paths.append(str(p))
-    r = subprocess.run([sys.executable, "-c", LOAD_BATCH, json.dumps(paths)], capture_output=True, text=True, timeout=600)
-    lines = r.stdout.splitlines()
-    last = next((line for line in reversed(lines) if line.startswith("case ")), "none")
-    assert r.returncode == 0, f"died at {last} (rc {r.returncode}): {r.stderr[-2000:]}"
-    results = [line.split()[0] for line in lines if not line.startswith("case ")]
-    assert len(results) == len(paths) and set(results) <= {"ok", "EesdError"}
-    assert "EesdError" in results
+    assert "EesdError" in load_in_subprocess(paths)
+
+
+def test_extreme_hyperparameters_never_crash_llama_cpp(tiny, tmp_path, isolated_home):
+    """Every numeric metadata value of the model set to 0, 1, -1, huge or NaN: llama.cpp asserts
+    (aborting the process) on some, e.g. block_count 0 and a negative or NaN norm epsilon."""
+    h = ggufraw.read_header(tiny)
+    data = tiny.read_bytes()
+    extremes = {"<I": (0, 1, 2**31 - 1, 2**32 - 1), "<i": (0, -1, 2**31 - 1), "<Q": (0, 1, 2**64 - 1),
+                "<q": (0, -1), "<f": (0.0, -1.0, float("nan"), 1e30)}
+    paths, at = [], 24  # magic, version, n_tensors, n_kv
+    for key, raw in h.kv_raw.items():
+        n = struct.unpack_from("<Q", raw)[0]
+        fmt = ggufraw._SCALAR.get(struct.unpack_from("<I", raw, 8 + n)[0])
+        for value in extremes.get(fmt, ()):
+            blob = bytearray(data)
+            struct.pack_into(fmt, blob, at + 8 + n + 4, value)
+            p = tmp_path / f"{key}={value}.gguf"
+            p.write_bytes(blob)
+            paths.append(str(p))
+        at += len(raw)
+    assert len(paths) > 30
+    results = load_in_subprocess(paths)
+    assert "ok" in results and "EesdError" in results
 
 
 def test_damaged_byte_token_is_refused_before_llama_cpp(tiny, tmp_path):

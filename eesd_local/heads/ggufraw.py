@@ -228,6 +228,27 @@ def _byte_level_chars() -> set[str]:
     return {chr(b) if b in printable else chr(next(extra)) for b in range(256)}
 
 
+MAX_LAYERS = 512  # LLAMA_MAX_LAYERS
+
+
+def check_for_llama(h: GGUFHeader) -> None:
+    """What llama.cpp asserts (GGML_ASSERT aborts the process) about a model's hyperparameters
+    and vocabulary: checked here so such a file is an EesdError instead."""
+    arch = h.kv.get("general.architecture")
+    if isinstance(arch, str):
+        n_layer = h.kv.get(f"{arch}.block_count")
+        if n_layer is not None and (type(n_layer) is not int or not 1 <= n_layer <= MAX_LAYERS):
+            raise _corrupt(h.path, f"{arch}.block_count is {n_layer!r}, not 1..{MAX_LAYERS}")
+        for key in (f"{arch}.attention.layer_norm_rms_epsilon", f"{arch}.attention.layer_norm_epsilon"):
+            eps = h.kv.get(key)  # ggml's norms assert eps >= 0 (NaN fails it too)
+            if eps is not None and not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
+                raise _corrupt(h.path, f"{key} is {eps!r}")
+        n_expert, n_used = h.kv.get(f"{arch}.expert_count", 0), h.kv.get(f"{arch}.expert_used_count", 0)
+        if type(n_expert) is not int or type(n_used) is not int or n_used > n_expert or (n_expert > 0) != (n_used > 0):
+            raise _corrupt(h.path, f"{arch}.expert_count {n_expert!r} with expert_used_count {n_used!r}")
+    check_vocab(h)
+
+
 def check_vocab(h: GGUFHeader) -> None:
     """What llama.cpp's tokenizer takes for granted and aborts the process on (an uncaught C++
     exception) when it is missing: arrays of one length per token, known token types, and the
