@@ -23,6 +23,7 @@ import numpy as np
 
 from . import memtune
 from .errors import ContextFullError, EesdError
+from .registry import check_gguf
 
 memtune.tune()  # vocabulary-sized arrays reuse heap pages (see memtune.py)
 
@@ -62,7 +63,7 @@ class Model:
 
     def __init__(self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, vocab_only: bool = False) -> None:
         _init_backend()
-        self.path = Path(path)
+        self.path = check_gguf(Path(path))  # llama.cpp aborts the process on some damaged files: refuse them first
         params = lc.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.vocab_only = vocab_only

@@ -94,12 +94,11 @@ LOAD_BATCH = textwrap.dedent("""
     import json, sys
     from pathlib import Path
     from eesd_local.errors import EesdError
-    from eesd_local.registry import check_gguf
     from eesd_local.runtime import Context, ContextParams, Model
     for path in map(Path, json.loads(sys.argv[1])):
         print("case", path.name, flush=True)
         try:
-            model = Model(check_gguf(path))
+            model = Model(path)  # checks the file before llama.cpp reads it
             ctx = Context(model, ContextParams(n_ctx=64, n_batch=64, n_threads=1))
             ctx.decode(model.tokenize("hello"), n_logits=1)
             ctx.close()
