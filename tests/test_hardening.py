@@ -296,6 +296,21 @@ def test_prompt_with_undecodable_bytes_from_argv(tiny, isolated_home):
     assert "not valid UTF-8 text: byte 0xe9 at character 3" in r.stderr
 
 
+@pytest.mark.parametrize("io_encoding", [
+    None,  # this machine's default: Python reads stdin with surrogateescape in a C or C.UTF-8 locale
+    pytest.param("utf-8:strict", marks=pytest.mark.xfail(
+        strict=True, reason="a strict stdin (e.g. LANG=en_US.UTF-8) fails in sys.stdin.read(): commands/generate.py "
+                            "should read sys.stdin.buffer and decode it with surrogateescape")),
+])
+def test_prompt_with_undecodable_bytes_from_stdin(tiny, isolated_home, io_encoding):
+    env = {**os.environ, **({"PYTHONIOENCODING": io_encoding} if io_encoding else {})}
+    r = subprocess.run([sys.executable, "-m", "eesd_local.cli", "generate", "--model", str(tiny), "--drafter", "lookup",
+                        "--prompt", "-", "--max-tokens", "4"], input=b"caf\xe9 au lait", capture_output=True, timeout=300, env=env)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and "Traceback" not in err, err
+    assert "not valid UTF-8 text: byte 0xe9 at character 3" in err
+
+
 @pytest.mark.parametrize("n_ctx", [0, -1])
 def test_ctx_must_be_positive(tiny_model, n_ctx):
     from eesd_local.runtime import Context, ContextParams
