@@ -181,7 +181,8 @@ def dead_pid() -> int:
     return proc.pid  # reaped: no process has this id (until the kernel reuses it)
 
 
-def test_next_write_removes_temp_files_of_dead_processes(tmp_path):
+def test_next_write_removes_temp_files_of_dead_processes(tmp_path, monkeypatch):
+    monkeypatch.setenv("EESD_HOME", str(tmp_path))  # a folder of the cache: every stale temp there goes
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         stale = tmp_path / f".model.gguf.tmp-{dead_pid()}"
@@ -200,6 +201,15 @@ def test_next_write_removes_temp_files_of_dead_processes(tmp_path):
         live.kill()
         live.wait()
     assert remove_stale_temps(tmp_path) == [busy]  # its process is gone now
+
+
+def test_outside_the_cache_only_temps_of_the_same_output_go(tmp_path, isolated_home):
+    dead = dead_pid()
+    ours, other = tmp_path / f".chat.md.tmp-{dead}", tmp_path / f".notes.txt.tmp-{dead}"  # a user's folder
+    ours.write_text("x")
+    other.write_text("another tool's, maybe")
+    write_text_atomic(tmp_path / "chat.md", "# chat")
+    assert not ours.exists() and other.exists()
 
 
 def test_a_write_in_progress_survives_another_write(tmp_path):
