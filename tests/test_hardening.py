@@ -323,9 +323,7 @@ def test_prompt_with_undecodable_bytes_from_argv(tiny, isolated_home):
 
 @pytest.mark.parametrize("io_encoding", [
     None,  # this machine's default: Python reads stdin with surrogateescape in a C or C.UTF-8 locale
-    pytest.param("utf-8:strict", marks=pytest.mark.xfail(
-        strict=True, reason="a strict stdin (e.g. LANG=en_US.UTF-8) fails in sys.stdin.read(): commands/generate.py "
-                            "should read sys.stdin.buffer and decode it with surrogateescape")),
+    "utf-8:strict",
 ])
 def test_prompt_with_undecodable_bytes_from_stdin(tiny, isolated_home, io_encoding):
     env = {**os.environ, **({"PYTHONIOENCODING": io_encoding} if io_encoding else {})}

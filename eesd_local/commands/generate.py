@@ -6,7 +6,6 @@ import argparse
 import sys
 
 from ..api import load
-from ..errors import EesdError
 from ..events import FinishEvent, TokenEvent
 from .options import add_engine_args, add_sampling_args, engine_config
 
@@ -58,10 +57,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _read_stdin() -> str:
-    """Standard input as text; bytes that are not UTF-8 are an error naming their position."""
-    data = sys.stdin.buffer.read()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise EesdError(f"standard input is not valid UTF-8 text (byte {exc.start}: {data[exc.start:exc.start + 1]!r})",
-                        hint="convert it first, e.g. iconv -f latin1 -t utf-8") from None
+    """Standard input as text whatever the locale says; bytes that are not UTF-8 stay as surrogates,
+    which tokenize() reports with their position (as for argv)."""
+    return sys.stdin.buffer.read().decode("utf-8", "surrogateescape")

@@ -129,7 +129,7 @@ class _Buf:
             if etype in _NP:
                 width = np.dtype(_NP[etype]).itemsize
                 n = self.count(width, "array")
-                arr = np.frombuffer(self.d, dtype=_NP[etype], count=n, offset=self.p) if n else np.zeros(0, _NP[etype])
+                arr: np.ndarray = np.frombuffer(self.d, dtype=_NP[etype], count=n, offset=self.p) if n else np.zeros(0, _NP[etype])
                 self.p += n * width
                 return arr.tolist() if n <= 4096 else arr
             if etype == STR:
@@ -166,7 +166,7 @@ def read_header(path: Path, *, keep_strings: tuple[str, ...] = ()) -> GGUFHeader
             data = np.memmap(path, dtype=np.uint8, mode="r") if size > 0 else b""
     except OSError as exc:
         raise EesdError(f"cannot read {path}: {exc.strerror or exc}") from None
-    buf = _Buf(memoryview(data), path)
+    buf = _Buf(memoryview(data), path)  # type: ignore[arg-type]  # an ndarray is a buffer
     buf.p = 4
     version = buf.take("<I")
     if version not in (2, 3):
@@ -322,7 +322,8 @@ def write_gguf(
     out.write(head)
     for (name, _, _, data), nbytes in zip(tensors, sizes):
         raw = data() if callable(data) else data
-        mv = memoryview(np.ascontiguousarray(raw)).cast("B") if isinstance(raw, np.ndarray) else memoryview(raw).cast("B")
+        buf = np.ascontiguousarray(raw) if isinstance(raw, np.ndarray) else raw
+        mv = memoryview(buf).cast("B")  # type: ignore[arg-type]  # an ndarray is a buffer
         if len(mv) != nbytes:
             raise ValueError(f"tensor {name}: {len(mv)} bytes, expected {nbytes}")
         out.write(mv)
