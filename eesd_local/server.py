@@ -24,6 +24,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Generator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any, Literal, TypeVar
 
 from fastapi import FastAPI, Request
@@ -237,6 +238,7 @@ class Job:
     items: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     cancelled: bool = False  # the client went away (set on the event loop, read by the worker)
     done: bool = False
+    checked: float = 0.0  # when the client's connection was last checked (time.monotonic)
 
     def post(self, item: Any) -> None:
         """Hand ``item`` to the event loop (from the worker thread)."""
@@ -258,6 +260,7 @@ class EngineWorker:
         self._lock = threading.Lock()  # guards _waiting and _current
         self._waiting = 0
         self._current: Job | None = None
+        self._closing = False
         self._thread = threading.Thread(target=self._loop, name="eesd-engine", daemon=True)
         self._thread.start()
 
@@ -268,6 +271,8 @@ class EngineWorker:
     def submit(self, job: Job) -> bool:
         """Queue ``job``; False when the queue is full."""
         with self._lock:
+            if self._closing:
+                raise ApiError(503, "the server is shutting down", type="server_error")
             if self._waiting >= self.queue_max:
                 return False
             self._waiting += 1
@@ -281,12 +286,17 @@ class EngineWorker:
             if self._current is job:
                 self.engine.cancel()
 
-    def stop(self) -> None:
-        """Cancel the running generation, let the waiting ones go, end the thread."""
+    def close(self) -> None:
+        """Shutting down (never waits): the running generation is cancelled, the waiting ones get 503."""
+        self._closing = True
         with self._lock:
             if self._current is not None:
                 self._current.cancelled = True
                 self.engine.cancel()
+
+    def stop(self) -> None:
+        """:meth:`close`, then end the thread."""
+        self.close()
         self._jobs.put(None)
         self._thread.join()
 
@@ -301,13 +311,11 @@ class EngineWorker:
                 job.post(ApiError(500, f"internal error: {type(exc).__name__}", type="server_error"))
             finally:
                 job.post(_END)
-        while not self._jobs.empty():  # shutting down: release whoever still waits
-            job = self._jobs.get_nowait()
-            if job is not None:
-                job.post(ApiError(503, "the server is shutting down", type="server_error"))
-                job.post(_END)
 
     def _serve(self, job: Job) -> None:
+        if self._closing:
+            job.post(ApiError(503, "the server is shutting down", type="server_error"))
+            return
         if job.cancelled:
             self.metrics.cancel("queued")
             return
@@ -339,6 +347,8 @@ class EngineWorker:
                 self._current = None
         if job.cancelled:
             self.metrics.cancel("running")
+            if self._closing:
+                job.post(ApiError(503, "the server is shutting down", type="server_error"))
         if last is not None and "speculation" in last:
             self.metrics.generation(last, time.perf_counter() - t0)
 
@@ -393,14 +403,15 @@ def _joined(chunks: list[dict[str, Any]], chat: bool) -> dict[str, Any]:
 
 
 def create_app(engine: Engine, *, model_id: str, aliases: tuple[str, ...] = (), queue_max: int = QUEUE) -> FastAPI:
-    """The FastAPI app serving ``engine`` under the name ``model_id`` (and ``aliases``)."""
+    """The FastAPI app serving ``engine`` under the name ``model_id`` (and ``aliases``); its worker
+    thread runs from the app's startup to its shutdown (``app.state.worker``)."""
     metrics = Metrics()
     names = {model_id, *aliases}
     state: dict[str, EngineWorker] = {}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state["worker"] = EngineWorker(engine, model_id, queue_max=queue_max, metrics=metrics)
+        state["worker"] = app.state.worker = EngineWorker(engine, model_id, queue_max=queue_max, metrics=metrics)
         yield
         state["worker"].stop()
 
@@ -526,13 +537,19 @@ class _CountRequests:
 
 
 async def _next(job: Job, request: Request | None = None) -> Any:
-    """The job's next item; while waiting, a client that hangs up cancels the job."""
+    """The job's next item; a client that hangs up meanwhile (checked twice a second) raises a 499."""
+    if request is None:
+        return await job.items.get()
     while True:
+        now = time.monotonic()
+        if now - job.checked > 0.5:
+            job.checked = now
+            if await request.is_disconnected():
+                raise ApiError(499, "the client went away", type="cancelled")
         try:
             return await asyncio.wait_for(job.items.get(), timeout=0.5)
         except TimeoutError:
-            if request is not None and await request.is_disconnected():
-                raise ApiError(499, "the client went away", type="cancelled") from None
+            pass
 
 
 async def _events(worker: EngineWorker, job: Job) -> AsyncIterator[dict[str, str]]:
@@ -563,4 +580,15 @@ def serve(engine: Engine, *, model_id: str, aliases: tuple[str, ...] = (), host:
     import uvicorn
 
     app = create_app(engine, model_id=model_id, aliases=aliases, queue_max=queue_max)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            worker = getattr(app.state, "worker", None)
+            if worker is not None:  # before uvicorn waits for open connections: let them end now
+                worker.close()
+            super().handle_exit(sig, frame)
+
+    try:
+        Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)).run()
+    except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it handled again once it has shut down
+        pass

@@ -217,6 +217,19 @@ def test_a_dropped_stream_cancels_its_generation(server, greedy):
     assert after[tokens] - before[tokens] < 100 + N  # it stopped long before its 400 tokens
 
 
+def test_a_client_that_hangs_up_on_a_whole_answer_cancels_it(server, greedy):
+    key = ("eesd_requests_cancelled_total", (("stage", "running"),))
+    tokens = ("eesd_completion_tokens_total", (("drafter", "lookup"),))
+    before = server.metrics()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json={"prompt": PROMPTS[6], "max_tokens": 400, "temperature": 0},
+                   timeout=httpx.Timeout(60, read=1.5))
+    assert _complete(server.url, PROMPTS[6]).json()["choices"][0]["text"] == greedy[PROMPTS[6]]
+    after = server.metrics()
+    assert after[key] == before[key] + 1
+    assert after[tokens] - before[tokens] < 150 + N
+
+
 BAD = [  # (body, param)
     (b"{not json", None),
     (b"[1, 2]", None),
