@@ -4,9 +4,9 @@
     .venv/bin/python scripts/server_overhead.py --requests 20 --drafter eesd
 
 The server runs as ``eesd serve`` in a subprocess on a free port; the engine runs in this
-process with the same settings. Requests alternate (one direct, one through the server), so
-machine noise hits both alike; one warm-up request each is not counted. Times are wall
-times of whole requests (HTTP, JSON and the queue included on the server side).
+process with the same settings. Requests alternate (one direct, one through the server, each
+first every other time), so machine noise hits both alike; one warm-up request each is not
+counted. Outside the decode loop is the prefill plus, for the server, HTTP, JSON and the queue.
 """
 
 from __future__ import annotations
@@ -76,15 +76,16 @@ def main() -> int:
             same = 0
             for i in range(args.requests):
                 prompt = PROMPTS[i % len(PROMPTS)]
-                texts = []
-                for name, call in (("engine", direct), ("server", served)):
+                texts = {}
+                pair = (("engine", direct), ("server", served))
+                for name, call in pair if i % 2 == 0 else pair[::-1]:  # each goes first every other time
                     t = time.perf_counter()
                     text, n, inside = call(prompt)
                     totals[name][0] += time.perf_counter() - t
                     totals[name][1] += n
                     totals[name][2] += inside
-                    texts.append(text)
-                same += texts[0] == texts[1]
+                    texts[name] = text
+                same += texts["engine"] == texts["server"]
     finally:
         server.send_signal(signal.SIGINT)
         server.wait(timeout=60)
@@ -93,7 +94,8 @@ def main() -> int:
     for name, (seconds, tokens, inside) in totals.items():
         rates[name] = (60 * args.requests / seconds, tokens / seconds)
         print(f"{name:7s} {args.requests} requests, {tokens} tokens in {seconds:.2f} s: "
-              f"{rates[name][0]:.1f} requests/min, {rates[name][1]:.1f} tokens/s ({inside:.2f} s of it in the decode loop)")
+              f"{rates[name][0]:.1f} requests/min, {rates[name][1]:.1f} tokens/s ({inside:.2f} s of it in the decode loop, "
+              f"{1e3 * (seconds - inside) / args.requests:.0f} ms per request outside it)")
     print(f"server/engine: requests/min {rates['server'][0] / rates['engine'][0]:.3f}, "
           f"tokens/s {rates['server'][1] / rates['engine'][1]:.3f} "
           f"(drafter {args.drafter}, {args.max_tokens} tokens, greedy; same text {same}/{args.requests})")
