@@ -20,6 +20,7 @@ from .errors import EesdError
 COMMAND_MODULES = [
     "eesd_local.commands.models",
     "eesd_local.commands.generate",
+    "eesd_local.commands.serve",
     "eesd_local.commands.convert",
     "eesd_local.commands.simulate",
     "eesd_local.commands.heads",

@@ -129,7 +129,7 @@ def test_interrupt_is_clean(qwen05_path, tmp_path):
     assert "Traceback" not in err and "interrupted" in err
 
 
-@pytest.mark.parametrize("cmd", [["--help"], ["generate", "--help"], ["models", "--help"]])
+@pytest.mark.parametrize("cmd", [["--help"], ["generate", "--help"], ["models", "--help"], ["serve", "--help"]])
 def test_help(cmd):
     r = eesd(*cmd)
     assert r.returncode == 0 and "usage" in r.stdout

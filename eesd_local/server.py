@@ -1,0 +1,594 @@
+"""``eesd serve``: an OpenAI-compatible HTTP server over one engine.
+
+The engine runs one generation at a time and is not thread-safe, so every request goes
+through ONE worker thread (:class:`EngineWorker`) fed by a bounded FIFO queue; a request
+beyond the queue gets 429 with ``Retry-After``. The worker always streams (the API's
+``completion(..., stream=True)``) and posts chunks to the request's asyncio queue: a
+streamed response sends them as server-sent events ending in ``data: [DONE]``, a plain one
+joins them. A client that goes away cancels its generation: ``engine.cancel()`` stops it
+after the current round and the worker closes the generator (its ``finally`` rolls the KV
+cache back) before it takes the next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import queue
+import sys
+import threading
+import time
+import traceback
+from collections import defaultdict
+from collections.abc import AsyncIterator, Generator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any, Literal, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .api import completion
+from .controllers import DEFAULT_CONTROLLER
+from .drafters import DRAFTERS
+from .engine import Engine
+from .errors import EesdError
+
+_R = TypeVar("_R", bound=BaseModel)
+QUEUE = 8  # requests that may wait while one runs; more get 429
+RETRY_AFTER_S = 1
+
+# --- requests --------------------------------------------------------------
+
+
+class Speculation(BaseModel):
+    """Per-request speculation settings (an extension); left out, the server's own apply."""
+
+    model_config = ConfigDict(extra="forbid")
+    drafter: str | None = None
+    controller: str | None = None
+    draft_max: int | None = Field(None, ge=1)
+
+    @field_validator("drafter")
+    @classmethod
+    def _known_drafter(cls, v: str | None) -> str | None:
+        if v is not None and v not in DRAFTERS:
+            raise ValueError(f"unknown drafter {v!r}, choose one of {', '.join(DRAFTERS)}")
+        return v
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # NaN and Infinity are 400s
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0)  # OpenAI's default; 0 is greedy
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)  # an extension: 0 is off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    speculation: Speculation | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"only n=1 is supported, got {v}")
+        return v
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        if isinstance(v, list) and v and isinstance(v[0], str):
+            if len(v) != 1:
+                raise ValueError(f"one prompt per request, got {len(v)}")
+            return v[0]
+        return v
+
+
+class _TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[_TextPart] | None = None
+
+    def as_dict(self) -> dict[str, str]:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's error JSON."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, type: str = "invalid_request_error",
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code, self.headers = status, message, param, type, code, headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+_FIELDS = ("speculation.drafter", "speculation.controller", "speculation.draft_max", "max_tokens", "temperature", "top_p",
+           "top_k", "seed", "stop")
+
+
+def _bad_request(exc: EesdError, where: str) -> ApiError:
+    """An EesdError as a 400; ``param`` is the field its message names, else ``where``."""
+    param = next((f for f in _FIELDS if f in exc.message), where)
+    return ApiError(400, str(exc).replace("\n  hint:", ";"), param=param)
+
+
+# --- metrics ---------------------------------------------------------------
+
+
+class Metrics:
+    """Counters behind ``GET /metrics`` (Prometheus text exposition format 0.0.4)."""
+
+    _PER_DRAFTER = {  # key: (metric, type, help)
+        "generations": ("eesd_generations_total", "counter", "generations run"),
+        "prompt_tokens": ("eesd_prompt_tokens_total", "counter", "prompt tokens"),
+        "completion_tokens": ("eesd_completion_tokens_total", "counter", "tokens generated"),
+        "drafted": ("eesd_drafted_tokens_total", "counter", "tokens drafted"),
+        "accepted": ("eesd_accepted_tokens_total", "counter", "drafted tokens the target accepted"),
+        "rounds": ("eesd_rounds_total", "counter", "target verifications"),
+        "seconds": ("eesd_generation_seconds_total", "counter", "wall time of generations"),
+    }
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests: dict[tuple[str, int], int] = defaultdict(int)
+        self.cancelled: dict[str, int] = {"queued": 0, "running": 0}
+        self.by_drafter: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+
+    def request(self, endpoint: str, code: int) -> None:
+        with self._lock:
+            self.requests[(endpoint, code)] += 1
+
+    def cancel(self, stage: str) -> None:
+        with self._lock:
+            self.cancelled[stage] += 1
+
+    def generation(self, last: dict[str, Any], seconds: float) -> None:
+        """Add one generation from its last chunk (``usage`` and ``speculation``)."""
+        usage, spec = last["usage"], last["speculation"]
+        with self._lock:
+            d = self.by_drafter[spec["drafter"]]
+            d["generations"] += 1
+            d["prompt_tokens"] += usage["prompt_tokens"]
+            d["completion_tokens"] += usage["completion_tokens"]
+            d["drafted"] += spec["drafted"]
+            d["accepted"] += spec["accepted"]
+            d["rounds"] += spec["rounds"]
+            d["emitted"] += round(spec["tau"] * spec["rounds"])  # tau = emitted / rounds
+            d["seconds"] += seconds
+
+    def render(self, waiting: int, limit: int) -> str:
+        out: list[str] = []
+
+        def family(name: str, kind: str, help: str, samples: list[tuple[dict[str, str], float]]) -> None:
+            out.extend([f"# HELP {name} {help}", f"# TYPE {name} {kind}"])
+            for labels, value in samples:
+                inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+                out.append(f"{name}{{{inner}}} {_num(value)}" if inner else f"{name} {_num(value)}")
+
+        with self._lock:
+            family("eesd_requests_total", "counter", "HTTP requests to /v1 by endpoint and status code",
+                   [({"endpoint": e, "code": str(c)}, n) for (e, c), n in sorted(self.requests.items())])
+            family("eesd_requests_cancelled_total", "counter", "requests whose client went away, by where they were",
+                   [({"stage": s}, n) for s, n in self.cancelled.items()])
+            drafters = sorted(self.by_drafter.items())
+            for key, (name, kind, help) in self._PER_DRAFTER.items():
+                family(name, kind, f"{help}, by drafter", [({"drafter": k}, d[key]) for k, d in drafters])
+            family("eesd_tau", "gauge", "tokens emitted per target verification, by drafter",
+                   [({"drafter": k}, d["emitted"] / d["rounds"] if d["rounds"] else 0.0) for k, d in drafters])
+            family("eesd_time_per_token_seconds", "gauge", "generation wall time per generated token, by drafter",
+                   [({"drafter": k}, d["seconds"] / d["completion_tokens"] if d["completion_tokens"] else 0.0)
+                    for k, d in drafters])
+        family("eesd_queue_waiting", "gauge", "requests waiting for the engine", [({}, waiting)])
+        family("eesd_queue_limit", "gauge", "requests that may wait (--queue)", [({}, limit)])
+        return "\n".join(out) + "\n"
+
+
+def _escape(v: str) -> str:
+    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _num(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else repr(float(v))
+
+
+# --- the engine's one thread -------------------------------------------------
+
+_STARTED, _END = "started", "end"  # markers a job's queue carries besides chunks and errors
+
+
+@dataclass(eq=False)
+class Job:
+    """One request on its way through the worker; ``items`` is read on the event loop."""
+
+    chat: bool
+    prompt: Any  # text or token ids, or the messages for chat
+    sampling: dict[str, Any]
+    speculation: Speculation | None
+    loop: asyncio.AbstractEventLoop
+    items: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    cancelled: bool = False  # the client went away (set on the event loop, read by the worker)
+    done: bool = False
+    checked: float = 0.0  # when the client's connection was last checked (time.monotonic)
+
+    def post(self, item: Any) -> None:
+        """Hand ``item`` to the event loop (from the worker thread)."""
+        try:
+            self.loop.call_soon_threadsafe(self.items.put_nowait, item)
+        except RuntimeError:  # the loop is closed: the server is gone
+            pass
+
+
+class EngineWorker:
+    """Runs every generation on one thread, in arrival order, one at a time."""
+
+    def __init__(self, engine: Engine, model_id: str, *, queue_max: int = QUEUE, metrics: Metrics | None = None) -> None:
+        self.engine, self.model_id, self.queue_max = engine, model_id, queue_max
+        self.metrics = metrics or Metrics()
+        self.defaults = (engine.config.drafter, engine.config.controller or DEFAULT_CONTROLLER, engine.config.draft_max)
+        self._applied: tuple[Any, str, int] | None = self.defaults
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _waiting and _current
+        self._waiting = 0
+        self._current: Job | None = None
+        self._closing = False
+        self._thread = threading.Thread(target=self._loop, name="eesd-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
+    def submit(self, job: Job) -> bool:
+        """Queue ``job``; False when the queue is full."""
+        with self._lock:
+            if self._closing:
+                raise ApiError(503, "the server is shutting down", type="server_error")
+            if self._waiting >= self.queue_max:
+                return False
+            self._waiting += 1
+        self._jobs.put(job)
+        return True
+
+    def cancel(self, job: Job) -> None:
+        """The client of ``job`` went away: stop its generation after the current round."""
+        job.cancelled = True
+        with self._lock:  # only while it runs: a late cancel() must not hit the next request
+            if self._current is job:
+                self.engine.cancel()
+
+    def close(self) -> None:
+        """Shutting down (never waits): the running generation is cancelled, the waiting ones get 503."""
+        self._closing = True
+        with self._lock:
+            if self._current is not None:
+                self._current.cancelled = True
+                self.engine.cancel()
+
+    def stop(self) -> None:
+        """:meth:`close`, then end the thread."""
+        self.close()
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            with self._lock:
+                self._waiting -= 1
+            try:
+                self._serve(job)
+            except BaseException as exc:  # a bug: say so, keep serving
+                traceback.print_exc(file=sys.stderr)
+                job.post(ApiError(500, f"internal error: {type(exc).__name__}", type="server_error"))
+            finally:
+                job.post(_END)
+
+    def _serve(self, job: Job) -> None:
+        if self._closing:
+            job.post(ApiError(503, "the server is shutting down", type="server_error"))
+            return
+        if job.cancelled:
+            self.metrics.cancel("queued")
+            return
+        where = "messages" if job.chat else "prompt"
+        try:
+            self._configure(job.speculation)
+            t0 = time.perf_counter()
+            chunks = _start(self.engine, job)
+        except EesdError as exc:
+            job.post(_bad_request(exc, where))
+            return
+        last: dict[str, Any] | None = None
+        with self._lock:
+            self._current = job
+        try:
+            job.post(_STARTED)
+            for chunk in chunks:
+                chunk["model"] = self.model_id
+                if job.cancelled:
+                    self.engine.cancel()  # the generation ends after this round; what is left is drained unsent
+                else:
+                    job.post(chunk)
+                last = chunk
+        except EesdError as exc:
+            job.post(_bad_request(exc, where))
+        finally:
+            chunks.close()  # the engine's finally rolls the KV back before the next request starts
+            with self._lock:
+                self._current = None
+        if job.cancelled:
+            self.metrics.cancel("running")
+            if self._closing:
+                job.post(ApiError(503, "the server is shutting down", type="server_error"))
+        if last is not None and "speculation" in last:
+            self.metrics.generation(last, time.perf_counter() - t0)
+
+    def _configure(self, spec: Speculation | None) -> None:
+        """Apply the request's drafter, controller and draft_max (the server's own where it gives none)."""
+        d_drafter, d_controller, d_max = self.defaults
+        want = self.defaults if spec is None else (spec.drafter or d_drafter, spec.controller or d_controller,
+                                                   spec.draft_max or d_max)
+        if want == self._applied:
+            return
+        drafter, controller, draft_max = want
+        engine = self.engine
+        if draft_max + 1 > engine.ctx.n_batch:  # a round decodes [last, d1..dk] in one batch
+            raise EesdError(f"speculation.draft_max {draft_max} does not fit the target's batch of {engine.ctx.n_batch} "
+                            f"tokens", hint=f"use {engine.ctx.n_batch - 1} or less")
+        self._applied = None  # until every switch below has gone through
+        if drafter != engine.config.drafter:
+            try:
+                engine.set_drafter(drafter)
+            except EesdError as exc:
+                raise EesdError(f"speculation.drafter {drafter!r}: {exc.message}", hint=exc.hint) from None
+        old = engine.config
+        engine.config = dataclasses.replace(old, draft_max=draft_max)  # the engine's round limit reads it
+        try:
+            engine.set_controller(controller)  # a fresh controller sized for draft_max
+        except EesdError as exc:
+            engine.config = old
+            raise EesdError(f"speculation.controller {controller!r}: {exc.message}", hint=exc.hint) from None
+        self._applied = want
+
+
+def _start(engine: Engine, job: Job) -> Generator[dict[str, Any], None, None]:
+    """The request's chunks (the server's one use of the Python API): OpenAI chunk dicts, the
+    last with ``usage`` and ``speculation``; bad input raises EesdError here, before any chunk."""
+    return completion(engine, job.prompt, chat=job.chat, stream=True, **job.sampling)
+
+
+def _joined(chunks: list[dict[str, Any]], chat: bool) -> dict[str, Any]:
+    """A whole response from its stream chunks."""
+    first, last = chunks[0], chunks[-1]
+    if chat:
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
+    else:
+        choice = {"index": 0, "text": "".join(c["choices"][0]["text"] for c in chunks)}
+    choice.update(finish_reason=last["choices"][0]["finish_reason"], logprobs=None)
+    return {"id": first["id"], "object": "chat.completion" if chat else "text_completion", "created": first["created"],
+            "model": first["model"], "choices": [choice], "usage": last["usage"], "speculation": last["speculation"]}
+
+
+# --- the app -----------------------------------------------------------------
+
+
+def create_app(engine: Engine, *, model_id: str, aliases: tuple[str, ...] = (), queue_max: int = QUEUE) -> FastAPI:
+    """The FastAPI app serving ``engine`` under the name ``model_id`` (and ``aliases``); its worker
+    thread runs from the app's startup to its shutdown (``app.state.worker``)."""
+    metrics = Metrics()
+    names = {model_id, *aliases}
+    state: dict[str, EngineWorker] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state["worker"] = app.state.worker = EngineWorker(engine, model_id, queue_max=queue_max, metrics=metrics)
+        yield
+        state["worker"].stop()
+
+    app = FastAPI(title="eesd-local", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type=kind).response()
+
+    app.add_middleware(_CountRequests, metrics=metrics)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": model_id, "waiting": state["worker"].waiting}
+
+    @app.get("/metrics")
+    async def metrics_text() -> PlainTextResponse:
+        worker = state["worker"]
+        return PlainTextResponse(metrics.render(worker.waiting, worker.queue_max), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "eesd-local"}]}
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Any:
+        body = _parse(CompletionRequest, await request.body())
+        return await _answer(body, False, body.prompt, request)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> Any:
+        body = _parse(ChatCompletionRequest, await request.body())
+        if body.max_completion_tokens is not None:
+            body.max_tokens = body.max_completion_tokens
+        return await _answer(body, True, [m.as_dict() for m in body.messages], request)
+
+    async def _answer(body: _Sampling, chat: bool, prompt: Any, request: Request) -> Any:
+        if body.model is not None and body.model not in names:
+            raise ApiError(400, f"model {body.model!r} is not served here; this server serves {model_id!r}",
+                           param="model", code="model_not_found")
+        # OpenAI's defaults: 16 tokens for a completion, the rest of the context for a chat
+        max_tokens = body.max_tokens or (engine.ctx.n_ctx if chat else 16)
+        sampling = dict(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                        seed=body.seed, stop=body.stop)
+        worker = state["worker"]
+        job = Job(chat, prompt, sampling, body.speculation, asyncio.get_running_loop())
+        if not worker.submit(job):
+            raise ApiError(429, f"the server is busy: {worker.queue_max} requests are already waiting",
+                           type="rate_limit_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+        try:
+            first = await _next(job, request)
+        except BaseException:
+            worker.cancel(job)
+            raise
+        if isinstance(first, ApiError):
+            raise first
+        if first == _END:  # cancelled before it ran
+            raise ApiError(499, "the client went away", type="cancelled")
+        if body.stream:
+            return EventSourceResponse(_events(worker, job), ping=15)
+        chunks: list[dict[str, Any]] = []
+        try:
+            while (item := await _next(job, request)) != _END:
+                if isinstance(item, ApiError):
+                    raise item
+                chunks.append(item)
+            job.done = True
+        finally:
+            if not job.done:
+                worker.cancel(job)
+        return _joined(chunks, chat)
+
+    return app
+
+
+_UNION_TAGS = ("str", "int", "float", "bool")  # pydantic names the member of a union it tried in the error's location
+
+
+def _parse(model: type[_R], raw: bytes) -> _R:
+    """The request body as ``model`` (JSON whatever the content type says); a 400 naming the field if not."""
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+        raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = [str(x) for x in err["loc"]]
+        loc = loc[: next((i for i, x in enumerate(loc) if x in _UNION_TAGS or "[" in x), len(loc))]  # stop.str -> stop
+        param = ".".join(loc) or None
+        msg = err["msg"].removeprefix("Value error, ")
+        if loc and err["type"] != "value_error" and not isinstance(err.get("input"), dict | list):
+            msg += f", got {_show(err.get('input'))}"
+        raise ApiError(400, f"{param}: {msg}" if param else f"the request body: {msg}", param=param) from None
+
+
+class _CountRequests:
+    """Counts /v1 requests by endpoint and status (plain ASGI: it leaves streams and disconnects alone)."""
+
+    ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions")
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not path.startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        endpoint = path if path in self.ENDPOINTS else "other"
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.request(endpoint, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
+async def _next(job: Job, request: Request | None = None) -> Any:
+    """The job's next item; a client that hangs up meanwhile (checked twice a second) raises a 499."""
+    if request is None:
+        return await job.items.get()
+    while True:
+        now = time.monotonic()
+        if now - job.checked > 0.5:
+            job.checked = now
+            if await request.is_disconnected():
+                raise ApiError(499, "the client went away", type="cancelled")
+        try:
+            return await asyncio.wait_for(job.items.get(), timeout=0.5)
+        except TimeoutError:
+            pass
+
+
+async def _events(worker: EngineWorker, job: Job) -> AsyncIterator[dict[str, str]]:
+    """Server-sent events: one per chunk, then ``[DONE]``; if the client goes away this generator
+    is closed mid-way and its ``finally`` cancels the generation."""
+    try:
+        while (item := await _next(job)) != _END:
+            if isinstance(item, ApiError):
+                job.done = True
+                yield {"data": json.dumps(item.body())}
+                break
+            yield {"data": json.dumps(item)}
+        else:
+            job.done = True
+        yield {"data": "[DONE]"}
+    finally:
+        if not job.done:
+            worker.cancel(job)
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, str | int | float | bool | None) else repr(value)
+
+
+def serve(engine: Engine, *, model_id: str, aliases: tuple[str, ...] = (), host: str = "127.0.0.1", port: int = 8080,
+          queue_max: int = QUEUE, log_level: str = "info") -> None:
+    """Serve ``engine`` until Ctrl-C; streams still open get a few seconds to end."""
+    import uvicorn
+
+    app = create_app(engine, model_id=model_id, aliases=aliases, queue_max=queue_max)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            worker = getattr(app.state, "worker", None)
+            if worker is not None:  # before uvicorn waits for open connections: let them end now
+                worker.close()
+            super().handle_exit(sig, frame)
+
+    try:
+        Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)).run()
+    except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it handled again once it has shut down
+        pass
