@@ -1,8 +1,8 @@
-"""Builds eesd_local._native (native/eesd_native.cpp) against the installed llama-cpp-python.
+"""Builds eesd_local._native (native/) against the installed llama-cpp-python.
 
 Everything else about the package is in pyproject.toml. The extension includes the
 llama.h that llama-cpp-python installs (<site-packages>/include) and links its
-libllama.so (<site-packages>/llama_cpp/lib), with an RPATH to that directory so that
+libllama (<site-packages>/llama_cpp/lib), with an RPATH to that directory so that
 the extension and llama_cpp's ctypes share ONE loaded libllama. So llama-cpp-python is
 installed first; then ``pip install -e .`` builds this against it (with or without build
 isolation: see find_llama_cpp).
@@ -40,7 +40,7 @@ LLAMA_INCLUDE_DIR = os.path.join(os.path.dirname(LLAMA_CPP_DIR), "include")
 
 native = Pybind11Extension(
     "eesd_local._native",
-    ["native/eesd_native.cpp"],
+    ["native/rounds.cpp", "native/module.cpp"],  # and the headers they include: native/*.hpp
     include_dirs=[LLAMA_INCLUDE_DIR],
     library_dirs=[LLAMA_LIB_DIR],
     libraries=["llama"],
