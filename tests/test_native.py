@@ -4,6 +4,7 @@ and bad input on a tiny synthetic GGUF."""
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ import eesd_local
 from eesd_local import native_round
 from eesd_local.errors import EesdError
 from eesd_local.events import FinishEvent, RoundEvent, TokenEvent
+from eesd_local.rounds import round_limit
 from eesd_local.sampling import SamplingParams, TokenRNG, probs
 from eesd_local.tinygguf import write_tiny_gguf
 
@@ -142,6 +144,13 @@ def test_argmax_is_numpys():
         assert _native.argmax(row) == int(np.argmax(row)) == n // 3
 
 
+def test_round_limit_is_the_python_rule():
+    """run_batch's draft limit is rounds.round_limit, zero and negative inputs included."""
+    values = (-5, -1, 0, 1, 2, 3, 8, 1000)
+    for draft_max, left, room in itertools.product(values, repeat=3):
+        assert _native.round_limit(draft_max, left, room) == round_limit(draft_max, left, room), (draft_max, left, room)
+
+
 def test_token_rng_is_splitmix64():
     rng = TokenRNG(1234567)  # the reference outputs of splitmix64 from this seed
     for z in (6457827717110365317, 3203168211198807973, 9817491932198370423):
@@ -220,30 +229,26 @@ def test_bad_input_raises_never_crashes(tiny, monkeypatch):
         rounds.set_tokens(0, eng.ctx.tokens)
         rounds.set_history(TINY_PROMPT)
         state = eng.controller.state
-        with pytest.raises(ValueError, match="does not fit the target's batch of 4"):
-            rounds.run(state, len(TINY_PROMPT), 8, 0, [], 0.0, 0.0, 0, 1.0, 1)
-        with pytest.raises(ValueError, match="history has"):
-            rounds.run(state, 3, 2, 0, [], 0.0, 0.0, 0, 1.0, 1)
-        with pytest.raises(ValueError, match="draft context"):
-            rounds.run(state, len(TINY_PROMPT), 2, 2, [], 0.0, 0.0, 0, 1.0, 1)
-        with pytest.raises(ValueError, match="outside the vocabulary"):
-            rounds.run(state, len(TINY_PROMPT), 2, 1, [10**6], 1.0, 0.0, 0, 1.0, 1)
-        # batches: settings first, then the same checks
-        with pytest.raises(ValueError, match="configure"):
+        with pytest.raises(ValueError, match="configure"):  # settings first
             rounds.run_batch(len(TINY_PROMPT), 2, 10, 4)
         with pytest.raises(ValueError, match="cancel must be"):
             rounds.configure(state, 0, 0.0, 0, 1.0, 1, 0.05, np.zeros((1, 1), dtype=np.uint8))
+        with pytest.raises(ValueError, match="controller state must be"):
+            rounds.configure(state.reshape(1, -1), 0, 0.0, 0, 1.0, 1, 0.05, np.zeros(1, dtype=np.uint8))
+        with pytest.raises(ValueError, match="mode must be"):
+            rounds.configure(state, 3, 0.0, 0, 1.0, 1, 0.05, np.zeros(1, dtype=np.uint8))
         with pytest.raises(ValueError, match="draft context"):
             rounds.configure(state, 2, 0.0, 0, 1.0, 1, 0.05, np.zeros(1, dtype=np.uint8))
+        with pytest.raises(ValueError, match="lookup n-grams"):
+            rounds.set_lookup(3, 2)
         rounds.configure(state, 0, 0.0, 0, 1.0, 1, 0.05, np.zeros(1, dtype=np.uint8))
         with pytest.raises(ValueError, match="does not fit the target's batch of 4"):
             rounds.run_batch(len(TINY_PROMPT), 8, 10, 4)
         with pytest.raises(ValueError, match="history has"):
             rounds.run_batch(3, 2, 10, 4)
-        assert len(rounds.run_batch(len(TINY_PROMPT), 2, 3, 4)) == 3  # one token a round, 3 wanted
+        recs = rounds.run_batch(len(TINY_PROMPT), 2, 3, 4)  # one token a round, 3 wanted
+        assert [r[5] for r in recs] == [round_limit(2, left, r[6]) for left, r in zip((3, 2, 1), recs, strict=True)]
         rounds.close()
-        with pytest.raises(ValueError, match="closed"):
-            rounds.run(state, len(TINY_PROMPT), 2, 0, [], 0.0, 0.0, 0, 1.0, 1)
         with pytest.raises(ValueError, match="closed"):
             rounds.run_batch(len(TINY_PROMPT) + 3, 2, 10, 4)
         with pytest.raises(ValueError, match="closed"):

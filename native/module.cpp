@@ -1,0 +1,118 @@
+// eesd_local._native: the Python face of the round loop (rounds.hpp) and of the maths the
+// tests compare with numpy. Bindings only: argument conversion, keeping alive the arrays the
+// loop reads and writes, releasing the GIL around the rounds.
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <vector>
+
+#include "probs.hpp"
+#include "rounds.hpp"
+#include "simd.hpp"
+
+namespace py = pybind11;
+
+#ifndef EESD_LLAMA_CPP_VERSION
+#error "EESD_LLAMA_CPP_VERSION must name the llama-cpp-python version this is built against"
+#endif
+
+namespace {
+
+using StateArray = py::array_t<double, py::array::c_style>;  // no forcecast: the controller's own array, written in place
+using CancelArray = py::array_t<uint8_t, py::array::c_style>;
+using Logits = py::array_t<float, py::array::c_style | py::array::forcecast>;
+
+// Rounds, holding the arrays whose data it reads and writes between calls
+struct PyRounds : eesd::Rounds {
+    using eesd::Rounds::Rounds;
+    StateArray state;
+    CancelArray cancel;
+};
+
+void configure(PyRounds& self, StateArray state, int mode, double temperature, int top_k, double top_p, uint64_t rng_state,
+               double budget_s, CancelArray cancel) {
+    if (state.ndim() != 1) throw py::value_error("the controller state must be a 1-d float64 array");
+    if (cancel.ndim() != 1 || cancel.shape(0) < 1) throw py::value_error("cancel must be a 1-d uint8 array of size >= 1");
+    self.configure(state.mutable_data(), static_cast<int64_t>(state.shape(0)), mode, eesd::sampling_of(temperature, top_k, top_p),
+                   rng_state, budget_s, cancel.data());
+    self.state = std::move(state);
+    self.cancel = std::move(cancel);
+}
+
+// [(drafted, accepted, next token, t_draft, t_verify, max_n, room before the round)]
+py::list run_batch(PyRounds& self, size_t n_history, int draft_max, int left, int max_rounds) {
+    {
+        py::gil_scoped_release unlocked;
+        self.run_batch(n_history, draft_max, left, max_rounds);
+    }
+    const std::vector<eesd::RoundOut>& recs = self.batch();
+    const std::vector<llama_token>& toks = self.drafted();
+    py::list out(recs.size());
+    for (size_t i = 0; i < recs.size(); i++) {
+        const eesd::RoundOut& r = recs[i];
+        size_t end = i + 1 < recs.size() ? recs[i + 1].first : toks.size();
+        std::vector<llama_token> d(toks.begin() + r.first, toks.begin() + end);
+        out[i] = py::make_tuple(std::move(d), r.m, r.nxt, r.t_draft, r.t_verify, r.max_n, r.room);
+    }
+    return out;
+}
+
+const float* logit_row(const Logits& logits) {
+    if (logits.ndim() != 1 || logits.shape(0) < 1) throw py::value_error("logits must be a non-empty 1-d array");
+    return logits.data();
+}
+
+// sampling.probs in C++, for tests that the two agree
+py::array_t<double> probs(const Logits& logits, double temperature, int top_k, double top_p) {
+    const float* row = logit_row(logits);
+    int n = static_cast<int>(logits.shape(0));
+    eesd::Dist out;
+    eesd::Probs pr;
+    pr.compute(row, n, eesd::sampling_of(temperature, top_k, top_p), out);
+    py::array_t<double> res(n);
+    std::copy(out.v.begin(), out.v.end(), res.mutable_data());
+    return res;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_native, m) {
+    m.doc() = "The speculative round of eesd_local in C++ against llama-cpp-python's libllama";
+    m.attr("LLAMA_CPP_VERSION") = EESD_LLAMA_CPP_VERSION;
+    // libllama's ABI changes between llama-cpp-python releases: refuse any other one
+    auto have = py::module_::import("llama_cpp").attr("__version__").cast<std::string>();
+    if (have != EESD_LLAMA_CPP_VERSION)
+        throw py::import_error(std::string("eesd_local._native was built for llama-cpp-python ") + EESD_LLAMA_CPP_VERSION +
+                               " but " + have + " is installed: rebuild it with `pip install --no-build-isolation -e .`");
+    py::register_exception<eesd::ContextFull>(m, "ContextFull", PyExc_RuntimeError);
+
+    py::class_<PyRounds>(m, "Rounds")
+        .def(py::init<uintptr_t, int, uintptr_t, int, uintptr_t, uintptr_t, uintptr_t, int>(), py::arg("target"),
+             py::arg("target_batch"), py::arg("draft"), py::arg("draft_batch"), py::arg("begin"), py::arg("decide"),
+             py::arg("update"), py::arg("no_bonus_slot") = -1)
+        .def("set_tokens", &PyRounds::set_tokens, py::arg("which"), py::arg("tokens"), "Record what a KV cache holds (0 target, 1 draft).")
+        .def("limit", &PyRounds::limit, py::arg("which"), py::arg("n_ctx"), "Hold a context to fewer positions than its KV size.")
+        .def("tokens", &PyRounds::tokens, py::arg("which"), "What a KV cache holds, position by position.")
+        .def("set_history", &PyRounds::set_history, py::arg("history"), "The emitted history the next round continues.")
+        .def("set_lookup", &PyRounds::set_lookup, py::arg("ngram_min"), py::arg("ngram_max"),
+             "Run the lookup drafter's n-gram search with these sizes (0, 0: no lookup).")
+        .def("room", &PyRounds::room, "How many more tokens fit into the target context.")
+        .def("configure", &configure, py::arg("state"), py::arg("mode"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
+             py::arg("rng_state"), py::arg("budget_s"), py::arg("cancel"),
+             "The settings of run_batch(): controller state, mode, sampling, random state, time budget, cancel flag.")
+        .def("run_batch", &run_batch, py::arg("n_history"), py::arg("draft_max"), py::arg("left"), py::arg("max_rounds"),
+             "Rounds until an end token, the token budget, max_rounds, the time budget or the cancel flag: "
+             "[(drafted, accepted, next token, t_draft, t_verify, max_n, room)].")
+        .def("rng_state", &PyRounds::rng_state, "The random stream's state after the batches so far.")
+        .def_property_readonly("t_llama", &PyRounds::t_llama, "Seconds inside llama_decode over all batches.")
+        .def("close", &PyRounds::close, "Free the batches; the contexts stay with Python.");
+    m.def("round_limit", &eesd::round_limit, py::arg("draft_max"), py::arg("left"), py::arg("room"),
+          "Most tokens a round may draft: max(0, min(draft_max, left - 1, room - 1)).");
+    m.def("probs", &probs, py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"));
+    m.def(
+        "argmax", [](const Logits& logits) { return eesd::argmax(logit_row(logits), static_cast<int>(logits.shape(0))); },
+        py::arg("logits"), "The first index of the largest logit (as numpy.argmax), for tests.");
+}

@@ -1,0 +1,337 @@
+// The round loop (see rounds.hpp): the round, the batch of rounds, drafting, verification,
+// then set-up and checks.
+
+#include "rounds.hpp"
+
+#include <stdexcept>
+#include <string>
+
+namespace eesd {
+
+// One round: the controller begins, the drafter proposes d1..dk, the target decodes
+// [last, d1..dk] in ONE llama_decode, the accepted prefix d1..dm and one target token are
+// emitted, the target's KV cache is trimmed past them, and the controller learns how it went.
+void Rounds::one_round(int max_n, RoundOut& r) {
+    begin_(st_, n_st_);
+    double t1 = now_s();
+    draft(max_n);
+    double t2 = now_s();
+    int k = static_cast<int>(drafted_.size());
+    // a probe verifies its drafts without the bonus: [last, d1..d(k-1)], k rows (rounds.PythonRounds)
+    bool bonus = k == 0 || no_bonus_slot_ < 0 || no_bonus_slot_ >= n_st_ || st_[no_bonus_slot_] == 0.0;
+    int n_rows = bonus ? k + 1 : k;
+    size_t n_keep = tgt_.tokens.size() + 1;  // the cache keeps `last` ...
+    batch_.assign(1, history_.back());
+    batch_.insert(batch_.end(), drafted_.begin(), drafted_.begin() + (n_rows - 1));
+    tgt_.decode(batch_.data(), n_rows, n_rows, t_llama_);
+    int m = 0, nxt = 0;
+    if (sp_.greedy)
+        verify_greedy(k, bonus, m, nxt);
+    else
+        verify_sampled(k, bonus, m, nxt);
+    tgt_.trim(n_keep + std::min(m, n_rows - 1));  // ... and the accepted drafts it decoded; the rest is rolled back
+    double t3 = now_s();
+    r.m = m;
+    r.nxt = nxt;
+    r.t_draft = t2 - t1;
+    r.t_verify = t3 - t2;
+    update_(st_, n_st_, conf_.data(), static_cast<int64_t>(conf_.size()), m, r.t_draft, r.t_verify);
+    history_.insert(history_.end(), drafted_.begin(), drafted_.begin() + m);
+    if (nxt >= 0) history_.push_back(nxt);  // -1: a probe whose drafts were all accepted
+}
+
+void Rounds::run_batch(size_t n_history, int draft_max, int left, int max_rounds) {
+    if (pending_) {
+        std::exception_ptr e = pending_;
+        pending_ = nullptr;
+        std::rethrow_exception(e);
+    }
+    if (!configured_) throw std::invalid_argument("configure() first");
+    check_call(n_history);
+    draft_max = std::max(0, draft_max);
+    check_fits(draft_max);
+    const llama_vocab* vocab = llama_model_get_vocab(llama_get_model(tgt_.ctx));
+    rec_tok_.clear();
+    recs_.clear();
+    double start = now_s();
+    while (static_cast<int>(recs_.size()) < std::max(1, max_rounds)) {
+        int room = tgt_.room();
+        if (room < 1 || left < 1) break;
+        RoundOut r;
+        r.max_n = round_limit(draft_max, left, room);
+        r.room = room;
+        try {
+            one_round(r.max_n, r);
+        } catch (...) {
+            if (recs_.empty()) throw;
+            pending_ = std::current_exception();  // the engine sees the rounds before it first
+            break;
+        }
+        r.first = static_cast<int>(rec_tok_.size());
+        rec_tok_.insert(rec_tok_.end(), drafted_.begin(), drafted_.end());
+        recs_.push_back(r);
+        bool eog = r.nxt >= 0 && llama_vocab_is_eog(vocab, r.nxt);
+        for (int i = 0; i < r.m && !eog; i++) eog = llama_vocab_is_eog(vocab, drafted_[i]);
+        left -= r.m + (r.nxt >= 0);
+        if (eog || *cancel_ || now_s() - start >= budget_s_) break;
+    }
+}
+
+// --- drafting -------------------------------------------------------------------------
+
+// d1..dk into drafted_, with the controller's confidence in each and whether it is a point proposal
+void Rounds::draft(int max_n) {
+    drafted_.clear();
+    conf_.clear();
+    point_.clear();
+    cands_.clear();
+    double conf = 0.0;
+    if (ngram_max_ > 0 && mode_ != NONE) {  // the lookup drafter runs here rather than in Python
+        int n_match = lookup(max_n, cands_);
+        conf = static_cast<double>(n_match) / ngram_max_;  // a longer matched n-gram is a safer bet
+    }
+    if (mode_ == POINT) propose_point(max_n, conf);
+    if (mode_ == MODEL) propose_model(max_n);  // the lookup's proposals are its guesses
+}
+
+void Rounds::add(llama_token tok, bool point, double conf) {
+    drafted_.push_back(tok);
+    point_.push_back(point);
+    conf_.push_back(conf);
+}
+
+// LookupDrafter.lookup: out = the tokens (at most max_n) after the latest earlier end e <= len-2
+// of the longest suffix n-gram, n from ngram_max down to ngram_min; returns n (0: no match).
+// One backward scan: L(e) = how many tokens ending at e match the suffix (capped at
+// ngram_max); the first e met with a new largest L is the latest end of that n-gram, which
+// is the entry Python's index keeps (it overwrites with later ends).
+int Rounds::lookup(int max_n, std::vector<llama_token>& out) {
+    out.clear();
+    const llama_token* h = history_.data();
+    int len = static_cast<int>(history_.size());
+    int cap = std::min(ngram_max_, len), best_n = 0, best_e = -1;
+    for (int e = len - 2; e >= 0 && best_n < cap; e--) {
+        int l = 0;
+        while (l < cap && l <= e && h[e - l] == h[len - 1 - l]) l++;
+        if (l > best_n && l >= ngram_min_) best_n = l, best_e = e;
+    }
+    if (best_e < 0) return 0;
+    int end = std::min(len, best_e + 1 + max_n);
+    out.assign(h + best_e + 1, h + end);
+    return best_n;
+}
+
+// lookup: the controller cuts the proposals (LookupDrafter.propose)
+void Rounds::propose_point(int max_n, double conf) {
+    if (max_n <= 0 || !decide_(st_, n_st_, 0, 1.0)) return;
+    int n = std::min(max_n, static_cast<int>(cands_.size()));
+    for (int i = 0; i < n; i++) {
+        if (i && !decide_(st_, n_st_, i, conf)) break;
+        add(cands_[i], true, conf);
+    }
+}
+
+// (token, confidence) from a draft logit row; q_[j] is filled when sampling (drafters/model.pick)
+llama_token Rounds::pick(const float* row, llama_token guess, size_t j, double& conf) {
+    int n = dft_.n_vocab;
+    if (sp_.greedy) {  // q is not needed: the confidence q(argmax) = 1 / sum_i exp(row[i] - row[argmax])
+        int tok = argmax(row, n);
+        conf = 1.0 / sum_exp_conf(row, n, row[tok]);
+        return tok;
+    }
+    if (q_.size() <= j) q_.resize(j + 1);
+    Dist& q = q_[j];
+    probs_.compute(row, n, sp_, q);
+    if (guess >= 0) {
+        if (rng_.random() < q[guess]) {
+            conf = q[guess];
+            return guess;
+        }
+        int tok = sample(q, q.v.data(), guess, rng_, blocks_);  // q with the guess removed, if any mass is left
+        if (tok >= 0) {
+            conf = q[tok];
+            return tok;
+        }
+    }
+    int tok = sample(q, q.v.data(), -1, rng_, blocks_);
+    conf = q[tok];
+    return tok;
+}
+
+// a draft model: sync its cache with the history lazily, then draft token by token,
+// taking the lookup's guesses (cands_) while they survive (ModelDrafter.propose)
+void Rounds::propose_model(int max_n) {
+    if (max_n <= 0 || !decide_(st_, n_st_, 0, 1.0)) return;
+    const std::vector<llama_token>& guess = cands_;
+    Ctx& d = dft_;
+    size_t common = 0;
+    size_t lim = std::min(d.tokens.size(), history_.size());
+    while (common < lim && d.tokens[common] == history_[common]) common++;
+    size_t n0 = std::min(common, history_.size() - 1);
+    d.trim(n0);
+    feed_.assign(history_.begin() + n0, history_.end());
+    int n_feed = static_cast<int>(feed_.size());
+    int n_guess = std::max(0, std::min({max_n, d.room() - n_feed, static_cast<int>(guess.size())}));
+    if (n_feed + n_guess > d.room()) return;
+    feed_.insert(feed_.end(), guess.begin(), guess.begin() + n_guess);
+    d.decode(feed_.data(), static_cast<int>(feed_.size()), n_guess + 1, t_llama_);
+    int n_rows = n_guess + 1;
+    int row_ofs = 0;  // rows[j] is the logit row (j - row_ofs) of the last decode
+    while (true) {
+        int j = static_cast<int>(drafted_.size());  // rows[j] is the distribution after history + drafts
+        llama_token g = j < n_guess ? guess[j] : -1;
+        double conf = 0.0;
+        llama_token tok = pick(d.row(j - row_ofs), g, j, conf);
+        add(tok, false, conf);
+        if (static_cast<int>(drafted_.size()) >= max_n || !decide_(st_, n_st_, drafted_.size(), conf)) break;
+        if (tok == g && j + 1 < n_rows) continue;  // the next row was computed with g in place
+        d.trim(history_.size() + j);  // drop the guesses from j on: the KV holds history + drafts[:-1]
+        n_guess = std::min(n_guess, j);
+        if (d.room() < 1) break;
+        d.decode(&tok, 1, 1, t_llama_);
+        n_rows = j + 2;
+        row_ofs = j + 1;
+    }
+}
+
+// --- verification ---------------------------------------------------------------------
+
+// greedy: accept while d_i is the target's argmax; the first mismatch's argmax is the next token
+void Rounds::verify_greedy(int k, bool bonus, int& m, int& nxt) {
+    for (int i = 0; i <= k; i++) {
+        if (i == k && !bonus) {
+            m = k;
+            nxt = -1;
+            return;
+        }
+        int best = argmax(tgt_.row(i), tgt_.n_vocab);
+        if (i == k || best != drafted_[i]) {
+            m = i;
+            nxt = best;
+            return;
+        }
+    }
+}
+
+// speculative sampling over k drafts (sampling.verify_sampled):
+// accept d with probability min(1, p(d)/q(d)); else sample max(0, p - q) normalised;
+// all accepted: a bonus token from p_{k+1}
+void Rounds::verify_sampled(int k, bool bonus, int& m, int& nxt) {
+    int n = tgt_.n_vocab;
+    for (int i = 0; i < k; i++) {
+        llama_token d = drafted_[i];
+        probs_.compute(tgt_.row(i), n, sp_, p_);
+        double qd = point_[i] ? 1.0 : q_[i][d];
+        if (qd <= 0.0)
+            throw std::domain_error("draft " + std::to_string(d) + " has zero draft probability: the drafter must sample from its q");
+        if (rng_.random() < std::min(1.0, p_[d] / qd)) continue;  // q(d) <= p(d): always accept
+        int tok;
+        if (point_[i]) {
+            tok = sample(p_, p_.v.data(), d, rng_, blocks_);  // max(0, p - onehot(d)): p without d
+        } else {
+            // max(0, p - q) is zero wherever p is: only p's support is written and read
+            resid_.resize(n);
+            const double* p = p_.v.data();
+            const double* q = q_[i].v.data();
+            double* r = resid_.data();
+            if (p_.all) {
+#pragma omp simd
+                for (int v = 0; v < n; v++) r[v] = std::max(p[v] - q[v], 0.0);
+            } else {
+                for (int v : p_.sup) r[v] = std::max(p[v] - q[v], 0.0);
+            }
+            tok = sample(p_, r, -1, rng_, blocks_);
+        }
+        if (tok < 0) tok = sample(p_, p_.v.data(), -1, rng_, blocks_);  // p == q up to rounding: p itself
+        m = i;
+        nxt = tok;
+        return;
+    }
+    m = k;
+    if (!bonus) {  // a probe: no row k, no bonus draw
+        nxt = -1;
+        return;
+    }
+    probs_.compute(tgt_.row(k), n, sp_, p_);
+    nxt = sample(p_, p_.v.data(), -1, rng_, blocks_);
+}
+
+// --- set-up and checks ----------------------------------------------------------------
+
+Rounds::Rounds(uintptr_t target, int target_batch, uintptr_t draft, int draft_batch, uintptr_t f_begin, uintptr_t f_decide,
+               uintptr_t f_update, int no_bonus_slot)
+    : no_bonus_slot_(no_bonus_slot) {
+    if (!target) throw std::invalid_argument("the target context is closed (null pointer)");
+    if (!f_begin || !f_decide || !f_update) throw std::invalid_argument("the controller kernels are null pointers");
+    if (target_batch < 1 || (draft && draft_batch < 1)) throw std::invalid_argument("batch sizes must be >= 1");
+    tgt_.open(target, target_batch);
+    if (draft) {
+        dft_.open(draft, draft_batch);
+        if (dft_.n_vocab != tgt_.n_vocab) {
+            close();
+            throw std::invalid_argument("the draft and target vocabularies differ in size");
+        }
+    }
+    begin_ = reinterpret_cast<begin_fn>(f_begin);
+    decide_ = reinterpret_cast<decide_fn>(f_decide);
+    update_ = reinterpret_cast<update_fn>(f_update);
+}
+
+void Rounds::close() {
+    tgt_.close();
+    dft_.close();
+}
+
+void Rounds::set_lookup(int ngram_min, int ngram_max) {
+    if (ngram_max < 0 || (ngram_max > 0 && (ngram_min < 1 || ngram_min > ngram_max)))
+        throw std::invalid_argument("lookup n-grams need 1 <= ngram_min <= ngram_max (or 0, 0 to turn it off)");
+    ngram_min_ = ngram_min;
+    ngram_max_ = ngram_max;
+}
+
+void Rounds::configure(double* state, int64_t n_state, int mode, const Sampling& sp, uint64_t rng_state, double budget_s,
+                       const volatile uint8_t* cancel) {
+    check_mode(mode);
+    st_ = state;
+    n_st_ = n_state;
+    mode_ = mode;
+    sp_ = sp;
+    rng_ = TokenRng{rng_state};
+    budget_s_ = budget_s;
+    cancel_ = cancel;
+    configured_ = true;
+}
+
+void Rounds::check_call(size_t n_history) {
+    open_target();
+    if (history_.empty()) throw std::invalid_argument("set_history() first: the round continues a history");
+    if (n_history != history_.size())
+        throw std::invalid_argument("the history has " + std::to_string(n_history) + " tokens but the round loop holds " +
+                                    std::to_string(history_.size()) + ": set_history() after changing it");
+    check_mode(mode_);
+}
+
+void Rounds::check_mode(int mode) const {
+    if (mode < NONE || mode > MODEL) throw std::invalid_argument("mode must be 0 (none), 1 (lookup) or 2 (draft model)");
+    if (mode == MODEL && !dft_.ctx) throw std::invalid_argument("mode 2 needs a draft context");
+}
+
+void Rounds::check_fits(int max_n) const {
+    if (max_n + 1 > tgt_.n_batch)
+        throw std::invalid_argument("a draft of up to " + std::to_string(max_n) + " tokens plus the last one does not fit " +
+                                    "the target's batch of " + std::to_string(tgt_.n_batch) + ": lower draft_max or raise n_batch");
+}
+
+Ctx& Rounds::side(int which) {
+    if (which != 0 && which != 1) throw std::invalid_argument("which must be 0 (target) or 1 (draft)");
+    Ctx& c = which == 0 ? tgt_ : dft_;
+    if (!c.ctx) throw std::invalid_argument(which == 0 ? "the target context is closed" : "there is no draft context");
+    return c;
+}
+
+Ctx& Rounds::open_target() {
+    if (!tgt_.ctx) throw std::invalid_argument("this round loop is closed");
+    return tgt_;
+}
+
+}  // namespace eesd

@@ -1,0 +1,142 @@
+// The speculative round loop in C++ (eesd_local._native.Rounds): draft, ONE batched verify,
+// accept, KV rollback, against the libllama that llama-cpp-python loaded. The contexts belong
+// to Python (their pointers arrive as integers); the controller is the Numba code of
+// eesd_local.controllers, called through cfunc pointers on its float64 state array. Every
+// step mirrors the Python loop (rounds.PythonRounds, sampling.py, drafters/) so that both give
+// the same tokens: same decode calls, same maths, same random stream.
+//
+// Nothing here knows Python: errors a caller can cause are std::invalid_argument (ValueError
+// once bound), and the bindings (module.cpp) keep the arrays alive whose data this reads.
+#pragma once
+
+#include <llama.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <vector>
+
+#include "kv.hpp"
+#include "probs.hpp"
+
+namespace eesd {
+
+// Most tokens a round may draft (eesd_local.rounds.round_limit): a round emits up to k + 1
+// tokens, so k <= left - 1 (tokens still wanted) and k <= room - 1 (free KV positions after
+// `last`), and never more than draft_max
+inline int round_limit(int draft_max, int left, int room) { return std::max(0, std::min({draft_max, left - 1, room - 1})); }
+
+// the controller's kernels (controllers.cfuncs): begin a round; draft token i with this
+// confidence?; learn from the round (confidences, accepted, t_draft, t_verify)
+using begin_fn = void (*)(double*, int64_t);
+using decide_fn = int64_t (*)(double*, int64_t, int64_t, double);
+using update_fn = void (*)(double*, int64_t, double*, int64_t, int64_t, double, double);
+
+enum Mode { NONE = 0, POINT = 1, MODEL = 2 };  // no drafter; fixed proposals (lookup); a draft model
+
+// What one round of a batch did; its drafts are Rounds::drafted()[first, next round's first)
+struct RoundOut {
+    int m = 0;      // d1..dm were accepted
+    int nxt = 0;    // the target's token after them (-1: none, a probe's)
+    int max_n = 0;  // the draft limit it ran with
+    int room = 0;   // free target KV positions before it
+    int first = 0;
+    double t_draft = 0.0, t_verify = 0.0;
+};
+
+// The round loop's state between calls: both contexts, the history, the batches' settings,
+// scratch buffers reused from round to round.
+class Rounds {
+  public:
+    // target and draft are llama_context pointers (draft 0: none); no_bonus_slot is the state
+    // slot that says "verify this round without the bonus token" (-1: never)
+    Rounds(uintptr_t target, int target_batch, uintptr_t draft, int draft_batch, uintptr_t f_begin, uintptr_t f_decide,
+           uintptr_t f_update, int no_bonus_slot);
+    ~Rounds() { close(); }
+    Rounds(const Rounds&) = delete;
+    Rounds& operator=(const Rounds&) = delete;
+
+    void close();  // free the batches; the contexts stay with Python
+
+    void set_tokens(int which, std::vector<llama_token> toks) { side(which).tokens = std::move(toks); }
+    // llama.cpp pads the KV size; the engine holds a context to the n_ctx it asked for
+    void limit(int which, int n_ctx) { side(which).n_ctx = std::min(side(which).n_ctx, n_ctx); }
+    std::vector<llama_token> tokens(int which) { return side(which).tokens; }
+    void set_history(std::vector<llama_token> h) { history_ = std::move(h); }
+    int room() { return open_target().room(); }
+    // the lookup drafter's n-gram sizes: its search runs here, on the history this loop holds (0, 0: off)
+    void set_lookup(int ngram_min, int ngram_max);
+
+    // The batches' settings: the controller's state (written in place), the drafting mode, the
+    // sampling parameters, the random stream's state, the time budget of a batch, and a flag
+    // that another thread may set to end a batch (*cancel != 0). state and cancel must outlive
+    // the batches.
+    void configure(double* state, int64_t n_state, int mode, const Sampling& sp, uint64_t rng_state, double budget_s,
+                   const volatile uint8_t* cancel);
+
+    // Rounds one after another (configure() first), as the engine would ask for them: round r
+    // drafts at most round_limit(draft_max, left_r, room_r), and the batch ends after a round
+    // that emits an end-of-generation token, when no token is wanted or fits any more, after
+    // max_rounds, once the time budget has passed, or when the cancel flag is set. The rounds
+    // are in batch() and drafted(). An error in a round after the first ends the batch with the
+    // rounds before it; the next call raises it.
+    void run_batch(size_t n_history, int draft_max, int left, int max_rounds);
+    const std::vector<RoundOut>& batch() const { return recs_; }
+    const std::vector<llama_token>& drafted() const { return rec_tok_; }
+
+    uint64_t rng_state() const { return rng_.s; }
+    double t_llama() const { return t_llama_; }  // seconds inside llama_decode over all batches
+
+  private:
+    void one_round(int max_n, RoundOut& r);
+    void draft(int max_n);
+    int lookup(int max_n, std::vector<llama_token>& out);
+    void propose_point(int max_n, double conf);
+    void propose_model(int max_n);
+    llama_token pick(const float* row, llama_token guess, size_t j, double& conf);
+    void add(llama_token tok, bool point, double conf);
+    void verify_greedy(int k, bool bonus, int& m, int& nxt);
+    void verify_sampled(int k, bool bonus, int& m, int& nxt);
+
+    void check_call(size_t n_history);
+    void check_mode(int mode) const;
+    void check_fits(int max_n) const;
+    Ctx& side(int which);
+    Ctx& open_target();
+
+    Ctx tgt_, dft_;
+    begin_fn begin_;
+    decide_fn decide_;
+    update_fn update_;
+    int no_bonus_slot_ = -1;
+    int ngram_min_ = 0, ngram_max_ = 0;
+    std::vector<llama_token> history_;
+
+    // configure(): the batches' settings
+    bool configured_ = false;
+    double* st_ = nullptr;
+    int64_t n_st_ = 0;
+    int mode_ = NONE;
+    Sampling sp_ = sampling_of(0.0, 0, 1.0);
+    TokenRng rng_{0};
+    double budget_s_ = 0.0;
+    const volatile uint8_t* cancel_ = nullptr;
+
+    // the last batch: its rounds and their drafts; an error in a later round, raised by the next call
+    std::vector<RoundOut> recs_;
+    std::vector<llama_token> rec_tok_;
+    std::exception_ptr pending_;
+    double t_llama_ = 0.0;
+
+    // the current round
+    std::vector<llama_token> drafted_, cands_, batch_, feed_;  // drafts; lookup proposals; verify batch; draft feed
+    std::vector<double> conf_;  // the controller's confidence in each draft
+    std::vector<char> point_;   // 1: the draft was proposed deterministically (q = point mass)
+    std::vector<Dist> q_;       // q of each draft (sampling with a draft model)
+    Dist p_;
+    std::vector<double> resid_, blocks_;
+    Probs probs_;
+};
+
+}  // namespace eesd
