@@ -38,6 +38,29 @@ def atomic_path(path: str | Path, *, force: bool = True) -> Iterator[Path]:
             tmp.unlink()
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temps(path: str | Path) -> list[Path]:
+    """Remove the temporary files of ``path`` left by runs that were killed (their process is gone)."""
+    final = Path(path)
+    removed = []
+    for tmp in final.parent.glob(f".{final.name}.tmp-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+                removed.append(tmp)
+    return removed
+
+
 def write_bytes_atomic(path: str | Path, data: bytes, *, force: bool = True) -> Path:
     with atomic_path(path, force=force) as tmp:
         tmp.write_bytes(data)
