@@ -19,7 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -137,8 +137,8 @@ def requantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], kind: s
     """Write ``src`` requantised to ``kind`` (every weight matrix, the LM head at Q8_0) at ``dst``.
 
     llama.cpp writes a temporary file beside ``dst`` in a child process; it is renamed onto
-    ``dst`` only when complete. Ctrl-C or a kill of this process leaves no ``dst``; the temp
-    file of a killed run is removed by the next one."""
+    ``dst`` only when complete. Ctrl-C or SIGTERM ends the child and removes the file; after
+    a SIGKILL the child dies with this process and the next run removes its file."""
     from .registry import check_gguf
 
     kind = check_variant(kind)
@@ -148,13 +148,12 @@ def requantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], kind: s
         raise EesdError(f"the output {dst_path} is the source file", hint="write the variant to another path")
     remove_stale_temps(dst_path)
     threads = n_threads or os.cpu_count() or 1
-    with atomic_path(dst_path, force=force) as tmp:
-        cmd = [sys.executable, "-m", "eesd_local.weights", str(src_path), str(tmp), kind, str(threads)]
-        # the child gets no Ctrl-C of its own: this process ends it and removes its file
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    with atomic_path(dst_path, force=force) as tmp, _terminate_as_interrupt():
+        cmd = [sys.executable, "-m", "eesd_local.weights", str(src_path), str(tmp), kind, str(threads), str(os.getpid())]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
             _, err = proc.communicate()
-        except BaseException:
+        except BaseException:  # Ctrl-C or SIGTERM: end the child; atomic_path removes its file
             proc.kill()
             proc.wait()
             raise
@@ -163,6 +162,33 @@ def requantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], kind: s
             raise EesdError(f"llama.cpp could not requantise {src_path.name} to {kind}: {msg[-1] if msg else proc.returncode}",
                             hint="check that the file loads (eesd generate --model ...) and that the disk has room")
     return dst_path
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt meanwhile, so a plain ``kill`` cleans up like Ctrl-C."""
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        old = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: the kernel kills this process when its parent dies (even by SIGKILL)."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
 
 
 def _quantize_child(src: str, dst: str, kind: str, threads: int) -> int:
@@ -287,10 +313,11 @@ def quality(src: str | os.PathLike[str], variant: str | os.PathLike[str], *, n_t
 
 
 def main(argv: list[str]) -> int:
-    """``python -m eesd_local.weights SRC DST KIND THREADS``: the requantisation child."""
-    with contextlib.suppress(AttributeError, ValueError):
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
-    src, dst, kind, threads = argv
+    """``python -m eesd_local.weights SRC DST KIND THREADS PARENT``: the requantisation child."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C goes to the parent, which ends this child
+    src, dst, kind, threads, parent = argv
+    if sys.platform.startswith("linux"):
+        _die_with_parent(int(parent))
     return _quantize_child(src, dst, kind, int(threads))
 
 
