@@ -211,12 +211,14 @@ def _quantize_child(src: str, dst: str, kind: str, threads: int) -> int:
 
 
 def tensor_types(path: str | os.PathLike[str]) -> dict[str, int]:
-    """Weight type name -> number of tensors of that type."""
+    """Weight type name -> number of tensors of that type (read from the header alone)."""
     import gguf
 
+    from .heads.ggufraw import read_header
+
     out: dict[str, int] = {}
-    for t in gguf.GGUFReader(path).tensors:
-        name = t.tensor_type.name
+    for t in read_header(Path(path)).tensors.values():
+        name = gguf.GGMLQuantizationType(t.type).name
         out[name] = out.get(name, 0) + 1
     return out
 
