@@ -5,7 +5,7 @@ llamafile's tinyBLAS for F32/F16/BF16/Q8_0/Q4_0/Q5_0/IQ4_NL weights; K-quants fa
 vec_dot row by row below 8 rows. So B(k) = t(k) / t(1), the cost of verifying a draft of
 k - 1 tokens in units of one plain token, depends on the weight types: a flatter B(k)
 makes longer drafts pay. :func:`batch_costs` measures it, :func:`requantize` rewrites a
-GGUF as Q8_0 or Q4_0 through llama.cpp's own ``llama_model_quantize`` (the LM head kept
+GGUF as Q8_0, Q5_0 or Q4_0 through llama.cpp's own ``llama_model_quantize`` (the LM head kept
 at Q8_0, never a K-quant), and :func:`quality` says what that costs: teacher-forced top-1
 agreement with the source model and greedy answers side by side.
 """
@@ -28,7 +28,7 @@ import numpy as np
 from .atomic import atomic_path, remove_stale_temps
 from .errors import EesdError
 
-VARIANTS = ("q8_0", "q4_0")
+VARIANTS = ("q8_0", "q5_0", "q4_0")
 COST_KS = (*range(1, 9), 16)  # batch sizes eesd bench measures: the draft lengths up to 8, and 16
 PREFIX_TOKENS = 64
 
@@ -199,7 +199,8 @@ def _quantize_child(src: str, dst: str, kind: str, threads: int) -> int:
 
     _init_backend()  # silences llama.cpp's per-tensor log unless EESD_LLAMA_LOG is set
     params = lc.llama_model_quantize_default_params()
-    params.ftype = {"q8_0": lc.LLAMA_FTYPE_MOSTLY_Q8_0, "q4_0": lc.LLAMA_FTYPE_MOSTLY_Q4_0}[kind]
+    # a tensor already of the target type is copied as is: q5_0 of a mostly-Q5_0 file changes only its K-quants
+    params.ftype = {"q8_0": lc.LLAMA_FTYPE_MOSTLY_Q8_0, "q5_0": lc.LLAMA_FTYPE_MOSTLY_Q5_0, "q4_0": lc.LLAMA_FTYPE_MOSTLY_Q4_0}[kind]
     params.allow_requantize = True
     # llama.cpp's default head for Q4_0 is Q6_K, a K-quant that verifies row by row; Q8_0 batches
     params.output_tensor_type = lc.GGML_TYPE_Q8_0

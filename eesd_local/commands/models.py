@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     pc.add_argument("--json", metavar="OUT", help="write the figures as JSON ('-': stdout)")
     pc.add_argument("--force", action="store_true", help="overwrite an existing --json file")
     pc.set_defaults(func=run_costs)
-    pr = msub.add_parser("requant", help="requantise a model to Q8_0 or Q4_0 (weights that verify cheaply on CPUs)",
+    pr = msub.add_parser("requant", help="requantise a model to Q8_0, Q5_0 or Q4_0 (weights that verify cheaply on CPUs)",
                          description="Requantise MODEL with llama.cpp's llama_model_quantize (LM head at Q8_0) into the model "
                          "cache, then measure what it costs: top-1 agreement with MODEL over held-out text (teacher-forced) "
                          "and greedy answers on a few bench prompts.")
