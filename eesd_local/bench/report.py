@@ -94,6 +94,7 @@ def to_json(res: Results, command: str) -> dict[str, Any]:
         "model": cfg.model,
         "machine": machine_info(cfg, res.n_threads),
         "methods": summarize(res),
+        "batch_costs": res.batch_costs,  # B(k) of the model's weights on this machine (weights.batch_costs)
         "run": {
             "command": command,
             "date": res.started,

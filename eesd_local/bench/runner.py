@@ -53,6 +53,7 @@ class BenchConfig:
     n_ctx: int = 4096
     n_gpu_layers: int = 0
     n_threads: int | None = None
+    cost_repeats: int = 5  # decodes per batch size for the model's B(k) (weights.COST_KS); 0: skip
 
 
 @dataclass
@@ -101,6 +102,7 @@ class Results:
     complete: bool = False
     peak_rss_bytes: int | None = None
     categories: list[str] = field(default_factory=list)
+    batch_costs: dict | None = None  # weights.CostTable.to_json() of the model, measured before the prompts
 
 
 # --- memory ---------------------------------------------------------------------------
@@ -293,6 +295,12 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> Results:
             growth = rss1 - rss0 if rss0 is not None and rss1 is not None else None
             res.methods[spec.name] = MethodInfo(spec.name, m.drafter, m.controller, m.model_bytes, growth)
         assert ref is not None
+        if cfg.cost_repeats > 0:
+            from ..weights import COST_KS, batch_costs
+
+            report(0, res.n_planned, "measuring B(k)")
+            table = batch_costs([model_path], COST_KS, repeats=cfg.cost_repeats, n_threads=res.n_threads)[0]
+            res.batch_costs = table.to_json()
         done = 0
         for rep in range(cfg.repeats):
             for k, item in enumerate(items):

@@ -26,7 +26,7 @@ _FLAGS = (
     ("--category", "categories"), ("--n-prompts", "n_prompts"), ("--methods", "methods"), ("--controller", "controller"),
     ("--max-tokens", "max_tokens"), ("--temperature", "temperature"), ("--top-k", "top_k"), ("--top-p", "top_p"), ("--seed", "seed"),
     ("--repeats", "repeats"), ("--warmup-tokens", "warmup_tokens"), ("--draft-max", "draft_max"), ("--n-ctx", "n_ctx"),
-    ("--n-gpu-layers", "n_gpu_layers"), ("--n-threads", "n_threads"),
+    ("--n-gpu-layers", "n_gpu_layers"), ("--n-threads", "n_threads"), ("--cost-repeats", "cost_repeats"),
 )
 
 
@@ -59,6 +59,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--n-ctx", "--ctx", type=int, default=N_CTX, help="context size of every method (default 4096)")
     p.add_argument("--n-gpu-layers", type=int, default=0, help="layers to offload to the GPU (-1: all)")
     p.add_argument("--n-threads", "--threads", type=int, default=None, help="CPU threads of every method (default: all cores)")
+    p.add_argument("--cost-repeats", type=int, default=5, metavar="N",
+                   help="decodes per batch size k (1..8, 16) for the model's B(k), reported beside the speedups (default 5; 0: skip)")
     p.add_argument("--json", metavar="OUT", help="write the figures as JSON")
     p.add_argument("--plots", metavar="DIR", help="write PNG plots (speedup, acceptance by position, draft length)")
     p.add_argument("--markdown", metavar="OUT.md", help="write the tables as Markdown")
@@ -140,6 +142,10 @@ def run(args: argparse.Namespace) -> int:
                   "finished); the figures cover those.")
     for table in report.tables(res, summary):
         out.print(table)
+    if res.batch_costs:
+        b = res.batch_costs["B"]
+        out.print(f"B(k) of the model (decode of k tokens / one token, t(1) {res.batch_costs['t1_ms']:.1f} ms, median of "
+                  f"{res.batch_costs['repeats']}): " + "  ".join(f"B{k} {v:.2f}" for k, v in b.items() if k != "1"))
     if res.peak_rss_bytes:
         out.print(f"process peak RSS {res.peak_rss_bytes / 1e9:.2f} GB (all methods loaded in this process)")
     for name, info in res.methods.items():

@@ -1,15 +1,18 @@
-"""``eesd models list|pull``: the demo models of the registry."""
+"""``eesd models list|pull|path|costs|requant``: the demo models of the registry and their weights."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
 from .. import registry
+from ..errors import EesdError
+from ..weights import VARIANTS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,20 +23,46 @@ def register(sub: argparse._SubParsersAction) -> None:
     pl.set_defaults(func=run_list)
     pp = msub.add_parser("pull", help="download, assemble and verify a registry model")
     pp.add_argument("names", nargs="+", metavar="NAME", help="registry name(s), see `eesd models list`")
+    pp.add_argument("--variant", choices=VARIANTS, help="also build this requantised variant locally from the verified "
+                    "download (use it as NAME:VARIANT, e.g. --model qwen2.5-coder-0.5b-instruct:q4_0)")
     pp.set_defaults(func=run_pull)
     pw = msub.add_parser("path", help="print the local path of a model (pulling it if needed)")
     pw.add_argument("name", metavar="NAME")
     pw.set_defaults(func=run_path)
+    pc = msub.add_parser("costs", help="measure B(k), the decode time of a batch of k tokens relative to one token",
+                         description="Decode k = 1..K tokens after a 64-token prefix (the KV cache trimmed back each time) "
+                         "and print the median time and B(k) = t(k)/t(1). Several models are measured interleaved.")
+    pc.add_argument("models", nargs="+", metavar="MODEL", help="registry name, NAME:VARIANT or GGUF path")
+    pc.add_argument("--max-k", type=int, default=16, help="largest batch (default %(default)s)")
+    pc.add_argument("--repeats", type=int, default=12, help="decodes per batch size; the median is reported (default %(default)s)")
+    pc.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    pc.add_argument("--json", metavar="OUT", help="write the figures as JSON ('-': stdout)")
+    pc.add_argument("--force", action="store_true", help="overwrite an existing --json file")
+    pc.set_defaults(func=run_costs)
+    pr = msub.add_parser("requant", help="requantise a model to Q8_0, Q5_0 or Q4_0 (weights that verify cheaply on CPUs)",
+                         description="Requantise MODEL with llama.cpp's llama_model_quantize (LM head at Q8_0) into the model "
+                         "cache, then measure what it costs: top-1 agreement with MODEL over held-out text (teacher-forced) "
+                         "and greedy answers on a few bench prompts.")
+    pr.add_argument("model", metavar="MODEL", help="registry name or GGUF path")
+    pr.add_argument("--type", dest="kind", choices=VARIANTS, required=True, help="weight type of the output")
+    pr.add_argument("--output", "-o", help="output path (default: NAME.TYPE.gguf in the model cache)")
+    pr.add_argument("--force", action="store_true", help="overwrite an existing output")
+    pr.add_argument("--no-quality", dest="quality", action="store_false", help="skip the quality measurement")
+    pr.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    pr.add_argument("--json", metavar="OUT", help="write the quality figures as JSON")
+    pr.set_defaults(func=run_requant)
 
 
 def run_list(args: argparse.Namespace) -> int:
     table = Table(title=f"models (cache: {registry.cache_dir('models')})")
-    for col in ("name", "arch", "size", "present", "description"):
+    for col in ("name", "arch", "size", "present", "variants", "description"):
         table.add_column(col)
+    default = registry.DEFAULT_MODEL.partition(registry.VARIANT_SEP)[0]
     for spec in registry.known_models().values():
         mark = "[green]yes[/]" if registry.is_present(spec) else "no"
-        table.add_row(spec.name + (" (default)" if spec.name == registry.DEFAULT_MODEL else ""), spec.arch,
-                      f"{spec.size / 2**20:.0f} MiB", mark, spec.description)
+        variants = " ".join(f"{registry.VARIANT_SEP}{k}" for k in registry.present_variants(spec)) or "-"
+        table.add_row(spec.name + (" (default)" if spec.name == default else ""), spec.arch,
+                      f"{spec.size / 2**20:.0f} MiB", mark, variants, spec.description)
     Console().print(table)
     return 0
 
@@ -56,13 +85,101 @@ def pull_with_progress(name: str) -> str:
 
 def run_pull(args: argparse.Namespace) -> int:
     for name in args.names:
-        path = pull_with_progress(name)
-        print(f"{name}: {path}", file=sys.stderr)
+        base, kind = registry.split_variant(name)
+        kind = kind or args.variant
+        path = pull_with_progress(base)
+        print(f"{base}: {path}", file=sys.stderr)
+        if kind:
+            print(f"building {base}{registry.VARIANT_SEP}{kind} (requantising locally)...", file=sys.stderr)
+            path = str(registry.pull_variant(base, kind))
+            print(f"{base}{registry.VARIANT_SEP}{kind}: {path}", file=sys.stderr)
     return 0
 
 
+def _pull_base(name: str) -> None:
+    base, _ = registry.split_variant(name)
+    if base in registry.known_models():
+        pull_with_progress(base)
+
+
 def run_path(args: argparse.Namespace) -> int:
-    if args.name in registry.known_models():
-        pull_with_progress(args.name)
+    _pull_base(args.name)
     print(registry.resolve_model(args.name))
+    return 0
+
+
+def run_costs(args: argparse.Namespace) -> int:
+    import json
+
+    from ..atomic import check_overwrite, write_text_atomic
+    from ..weights import batch_costs
+
+    if args.max_k < 1:
+        raise EesdError(f"--max-k must be at least 1, got {args.max_k}")
+    if args.json and args.json != "-":
+        check_overwrite(Path(args.json), args.force)
+    for name in args.models:
+        _pull_base(name)
+    paths = [registry.resolve_model(m) for m in args.models]
+    err = Console(stderr=True)
+    with err.status("measuring") as status:
+        def progress(done: int, total: int, what: str) -> None:
+            status.update(f"measuring {done}/{total}: {what}")
+
+        tables = batch_costs(paths, range(1, args.max_k + 1), repeats=args.repeats, n_threads=args.threads, progress=progress)
+    out = Console(stderr=args.json == "-")
+    for name, t in zip(args.models, tables, strict=True):
+        table = Table(title=f"{name}: B(k) = t(k)/t(1), {t.n_threads} threads, median of {t.repeats} after a {t.prefix}-token prefix")
+        table.add_column("k", justify="right")
+        table.add_column("t(k) ms", justify="right")
+        table.add_column("B(k)", justify="right")
+        table.add_column("B(k)/k", justify="right")
+        for k, b in t.ratios.items():
+            table.add_row(str(k), f"{t.ms[k]:.1f}", f"{b:.2f}", f"{b / k:.2f}")
+        out.print(table)
+    if args.json:
+        text = json.dumps([dict(t.to_json(), name=n) for n, t in zip(args.models, tables, strict=True)], indent=1) + "\n"
+        if args.json == "-":
+            sys.stdout.write(text)
+        else:
+            write_text_atomic(args.json, text)
+    return 0
+
+
+def run_requant(args: argparse.Namespace) -> int:
+    import json
+    import time
+
+    from ..atomic import write_text_atomic
+    from ..paths import cache_dir
+    from ..weights import quality, requantize, tensor_types, variant_path
+
+    base, kind = registry.split_variant(args.model)
+    if kind is not None:
+        raise EesdError(f"{args.model!r} is already a variant", hint=f"requantise the source: eesd models requant {base} --type {args.kind}")
+    _pull_base(args.model)
+    src = registry.resolve_model(args.model)
+    if args.output:
+        out = Path(args.output)
+    elif args.model in registry.known_models():
+        out = registry.variant_file(registry.get_spec(args.model), args.kind)
+    else:
+        out = cache_dir("models") / variant_path(src, args.kind).name
+    t0 = time.monotonic()
+    requantize(src, out, args.kind, force=args.force, n_threads=args.threads)
+    types = ", ".join(f"{n} {t}" for t, n in tensor_types(out).items())
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.0f} MiB; tensors: {types}) in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+    if registry.split_variant(f"{args.model}{registry.VARIANT_SEP}{args.kind}")[1] and not args.output:
+        print(f"use it as --model {args.model}{registry.VARIANT_SEP}{args.kind}", file=sys.stderr)
+    if not args.quality:
+        return 0
+    with Console(stderr=True).status("measuring quality against the source (teacher-forced agreement, greedy answers)"):
+        q = quality(src, out, n_threads=args.threads)
+    print(f"top-1 agreement with {src.name}: {q.agreement:.3f} over {q.n_tokens} teacher-forced tokens of held-out text")
+    for a in q.answers:
+        same = "identical" if a["identical"] else f"differs from token {a['first_divergence']}"
+        print(f"  greedy answer {a['prompt']}: {a['tokens']} tokens, {same}")
+    print(f"greedy answers identical to the source: {q.identical_answers} of {len(q.answers)}")
+    if args.json:
+        write_text_atomic(args.json, json.dumps(q.to_json(), indent=1) + "\n", force=True)
     return 0
