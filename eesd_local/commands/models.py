@@ -55,13 +55,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_list(args: argparse.Namespace) -> int:
     table = Table(title=f"models (cache: {registry.cache_dir('models')})")
-    for col in ("name", "arch", "size", "present", "variants", "description"):
-        table.add_column(col)
+    table.add_column("name", no_wrap=True)  # a name is what the user types: never cut
+    for col in ("arch", "size", "present", "variants"):
+        table.add_column(col, no_wrap=col != "variants", min_width=6 if col == "variants" else None)
+    table.add_column("description", ratio=1)
     default = registry.DEFAULT_MODEL.partition(registry.VARIANT_SEP)[0]
     for spec in registry.known_models().values():
         mark = "[green]yes[/]" if registry.is_present(spec) else "no"
         variants = " ".join(f"{registry.VARIANT_SEP}{k}" for k in registry.present_variants(spec)) or "-"
-        table.add_row(spec.name + (" (default)" if spec.name == default else ""), spec.arch,
+        table.add_row(spec.name + ("\n(default)" if spec.name == default else ""), spec.arch,
                       f"{spec.size / 2**20:.0f} MiB", mark, variants, spec.description)
     Console().print(table)
     return 0
