@@ -128,7 +128,7 @@ def test_context_full_stops_with_reason_context():
         unit = eng.tokenize("def f(x):\n    return x\n")
         prompt = (unit * n_ctx)[: n_ctx - 20]
         fin = eng.run(prompt, max_tokens=200)
-        assert fin.reason == "length"
+        assert fin.reason == "context"
         assert 0 < fin.stats.n_generated <= 21  # the last token need not fit: it is emitted, not cached
         assert len(prompt) + fin.stats.n_generated <= n_ctx + 1
         with pytest.raises(EesdError, match="context holds"):

@@ -258,7 +258,7 @@ def test_context_full_mid_answer_keeps_the_transcript(qwen05_path):
     finally:
         eng.close()
     first = app.conv.turns[1].answer
-    assert first.reason == "length" and 0 < first.stats.n_generated < 200
+    assert first.reason == "context" and 0 < first.stats.n_generated < 200
     assert "context is full" in notes[0]
     assert notes[1].startswith("error:") and "context" in notes[1]
     assert [t.role for t in app.conv.turns] == ["user", "assistant"]  # the unanswered turn is not kept for sending
