@@ -207,7 +207,7 @@ class Context:
     def __init__(self, model: Model, params: ContextParams | None = None) -> None:
         params = params or ContextParams()
         if params.n_ctx < 1:  # llama.cpp reads 0 as "the model's size" and fails on negatives with a misleading error
-            raise EesdError(f"--ctx must be a positive number of tokens, got {params.n_ctx}", hint="e.g. --ctx 4096")
+            raise EesdError(f"--n-ctx must be a positive number of tokens, got {params.n_ctx}", hint="e.g. --n-ctx 4096")
         if params.n_batch < 1:
             raise EesdError(f"the batch size must be a positive number of tokens, got {params.n_batch}")
         self.model = model
@@ -223,7 +223,7 @@ class Context:
         cp.no_perf = True
         ptr = lc.llama_init_from_model(model.ptr, cp)
         if not ptr:
-            raise EesdError(f"llama.cpp could not create a context of {params.n_ctx} tokens for {model.path.name}", hint="try a smaller --ctx")
+            raise EesdError(f"llama.cpp could not create a context of {params.n_ctx} tokens for {model.path.name}", hint="try a smaller --n-ctx")
         self.ptr = ptr
         # llama.cpp pads the KV size up to a multiple of 256 but caps a batch at the n_ctx asked
         # for: hold both to what was asked, so chunking never exceeds the real batch
@@ -269,7 +269,7 @@ class Context:
         if self.n_past + n > self.n_ctx:
             raise ContextFullError(
                 f"the context is full: {self.n_past} + {n} tokens exceed n_ctx={self.n_ctx}",
-                hint="start a new conversation or pass a larger --ctx",
+                hint="start a new conversation or pass a larger --n-ctx",
             )
         n_logits = max(0, min(n_logits, n))
         start = 0
@@ -296,7 +296,7 @@ class Context:
                 self.tokens.extend(chunk[: max(0, pos_max + 1 - pos0)])
                 self.trim(pos0)
                 if rc == 1:
-                    raise ContextFullError(f"llama.cpp found no KV slot for {len(chunk)} tokens", hint="pass a larger --ctx")
+                    raise ContextFullError(f"llama.cpp found no KV slot for {len(chunk)} tokens", hint="pass a larger --n-ctx")
                 raise RuntimeError(f"llama_decode failed with code {rc}")
             self.tokens.extend(chunk)
             start += len(chunk)

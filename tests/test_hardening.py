@@ -338,7 +338,7 @@ def test_prompt_with_undecodable_bytes_from_stdin(tiny, isolated_home, io_encodi
 def test_ctx_must_be_positive(tiny_model, n_ctx):
     from eesd_local.runtime import Context, ContextParams
 
-    with pytest.raises(EesdError, match="--ctx must be a positive number of tokens"):
+    with pytest.raises(EesdError, match="--n-ctx must be a positive number of tokens"):
         Context(tiny_model, ContextParams(n_ctx=n_ctx))
 
 
@@ -346,7 +346,7 @@ def test_ctx_negative_from_the_cli(tiny, isolated_home):
     r = subprocess.run([sys.executable, "-m", "eesd_local.cli", "generate", "--model", str(tiny), "--drafter", "lookup",
                         "--prompt", "x", "--ctx", "-1"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert "--ctx must be a positive number of tokens" in r.stderr and "smaller --ctx" not in r.stderr
+    assert "--n-ctx must be a positive number of tokens" in r.stderr and "smaller --ctx" not in r.stderr
 
 
 @pytest.mark.parametrize("bad", [-1, 300, 10**9])

@@ -251,7 +251,7 @@ class ChatApp(App[None]):
         elif context_full:
             note += " · context full"
             self.set_status(f"the context is full ({self.engine.ctx.n_ctx} tokens): Ctrl+N starts a new chat, "
-                            "or restart with a larger --ctx", error=True)
+                            "or restart with a larger --n-ctx", error=True)
         elif answer.reason == "cancelled":
             note += " · stopped"
             self.set_status("stopped")

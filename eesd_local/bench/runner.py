@@ -196,7 +196,7 @@ def run_item(method: Method, item: PromptItem, ref: EngineMethod, s: Sampling, n
         need = len(prompt) + s.max_tokens + 2 * eng.config.draft_max + 2
         if need > n_ctx:
             raise EesdError(f"prompt {item.id!r} (turn {turn_no + 1}) has {len(prompt)} tokens: with --max-tokens "
-                            f"{s.max_tokens} it does not fit into the context of {n_ctx}", hint="pass a larger --ctx")
+                            f"{s.max_tokens} it does not fit into the context of {n_ctx}", hint="pass a larger --n-ctx")
         turn = method.generate(prompt, s)
         run.prompts.append(prompt)
         run.turns.append(turn)
