@@ -133,8 +133,8 @@ def test_variant_loads_in_plain_llama_cpp_python(q4_home):
 
 def test_speculation_stays_lossless_on_the_variant(q4_home):
     from eesd_local import lossless
-    from eesd_local.bench.prompts import load_prompts
     from eesd_local.api import load
+    from eesd_local.bench.prompts import load_prompts
     from eesd_local.events import TokenEvent
 
     path = _variant(q4_home)
