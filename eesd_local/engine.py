@@ -143,10 +143,8 @@ class Engine:
             tokens = self.tokenize(prompt)
         elif isinstance(prompt, list | tuple) and all(isinstance(t, int | np.integer) and not isinstance(t, bool) for t in prompt):
             tokens = [int(t) for t in prompt]
-            bad = next((t for t in tokens if not 0 <= t < self.model.n_vocab), None)
-            if bad is not None:
-                raise EesdError(f"token id {bad} is outside the vocabulary of {self.model.n_vocab} tokens",
-                                hint="pass text, or ids from this model's tokenize()")
+            for i, t in enumerate(tokens):
+                self.model.check_token(t, f" at prompt position {i}")
         else:
             raise EesdError(f"the prompt must be text (str) or a list of token ids, got {type(prompt).__name__}",
                             hint="decode bytes first, e.g. prompt.decode('utf-8')" if isinstance(prompt, bytes | bytearray) else None)

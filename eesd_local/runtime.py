@@ -139,7 +139,8 @@ class Model:
         that nothing catches, and the process aborts. Refuse it here instead."""
         if not 0 <= token < self.n_vocab:
             raise EesdError(
-                f"token id {token}{where} is not in the vocabulary of {self.path.name}: ids run from 0 to {self.n_vocab - 1}",
+                f"token id {token}{where} is not in the vocabulary of {self.path.name}: it lies outside the "
+                f"vocabulary's ids 0 to {self.n_vocab - 1}",
                 hint="pass token ids made by this model's tokenizer",
             )
 
