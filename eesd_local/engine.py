@@ -20,7 +20,7 @@ import numpy as np
 from . import chat as chat_mod
 from . import native_round
 from .defaults import BATCH_MS, DRAFT_MAX, N_CTX
-from .drafters import make_drafter
+from .drafters import make_drafter, n_sources
 from .drafters.base import Drafter, NoDrafter
 from .errors import EesdError
 from .events import Event, FinishEvent, RoundEvent, Stats, TokenEvent
@@ -85,7 +85,7 @@ class Engine:
                 raise EesdError(f"a draft of up to {config.draft_max} tokens does not fit the target's batch of "
                                 f"{self.ctx.n_batch} tokens", hint=f"use --draft-max {self.ctx.n_batch - 1} or less")
             self.drafter, self.drafter_note = make_drafter(config, self.model)
-            self.controller = _make_controller(config.controller, config.draft_max, config.seed)
+            self.controller = _make_controller(config.controller, config.draft_max, config.seed, n_sources(self.drafter))
         except BaseException:
             self.close()
             raise
@@ -219,7 +219,7 @@ class Engine:
                 if r.next_token >= 0:  # -1: a probe whose drafts were all accepted ends on its last draft
                     pending.append((r.next_token, "bonus" if m == k and m > 0 else "target"))
                 stats.record_round(k, m, len(pending))
-                yield RoundEvent(round_no, k, m, len(pending), r.t_draft, r.t_verify, rounds.belief())
+                yield RoundEvent(round_no, k, m, len(pending), r.t_draft, r.t_verify, rounds.belief(), r.source)
         finally:
             self._live = None
             if rounds is not None:
@@ -246,6 +246,9 @@ class Engine:
             drafter, note = make_drafter(config, self.model)
             old, self.drafter, self.config, self.drafter_note = self.drafter, drafter, config, note
             old.close()
+            if n_sources(drafter) != n_sources(old) and (config.controller is None or isinstance(config.controller, str)):
+                # a drafter with another number of sources needs a controller that chooses between them
+                self.controller = _make_controller(config.controller, config.draft_max, config.seed, n_sources(drafter))
             self.loop_note = native_round.status(drafter)[1]
             return note
 
@@ -254,7 +257,7 @@ class Engine:
         with self._lock:
             self._check_open()
             self._end_generation("the controller was switched")
-            self.controller = _make_controller(spec, self.config.draft_max, self.config.seed)
+            self.controller = _make_controller(spec, self.config.draft_max, self.config.seed, n_sources(self.drafter))
             self.config = dataclasses.replace(self.config, controller=spec)
 
     def cancel(self) -> None:
@@ -327,9 +330,9 @@ def _check_int(name: str, value: Any, lo: int, flag: str) -> None:
         raise EesdError(f"{name} must be an integer >= {lo}, got {value!r}", hint=f"e.g. {flag} {max(lo, 8)}")
 
 
-def _make_controller(spec: Any, draft_max: int, seed: int) -> Controller:
+def _make_controller(spec: Any, draft_max: int, seed: int, sources: int = 1) -> Controller:
     if spec is not None and not isinstance(spec, str):
         return spec  # a Controller object
     from .controllers import DEFAULT_CONTROLLER, make_controller
 
-    return make_controller(spec or DEFAULT_CONTROLLER, max_draft=draft_max, seed=seed)
+    return make_controller(spec or DEFAULT_CONTROLLER, max_draft=draft_max, seed=seed, sources=sources)

@@ -29,6 +29,7 @@ class RoundEvent:
     t_draft: float  # seconds spent drafting this round
     t_verify: float  # seconds of the target's batched decode
     belief: dict[str, float] = field(default_factory=dict)  # the controller's state after the round
+    source: str = ""  # the source that drafted (lookup, eesd, draft-model, ...); "" when nothing was drafted
 
 
 @dataclass

@@ -29,7 +29,8 @@ from .rounds import Controller, PythonRounds, RoundLoop, RoundResult
 from .runtime import Context
 from .sampling import SamplingParams, TokenRNG
 
-NONE, POINT, MODEL = 0, 1, 2  # the extension's drafting modes: nothing, n-gram lookup proposals, a draft context
+# the extension's drafting modes: nothing, n-gram lookup proposals, a draft context, the controller's choice per round
+NONE, POINT, MODEL, CHOOSE = 0, 1, 2, 3
 
 
 @functools.lru_cache(maxsize=1)
@@ -64,6 +65,8 @@ def open_loop(ctx: Context, drafter: Drafter, controller: Controller, params: Sa
 
 
 def _mode(spec: NativeSpec) -> int:
+    if spec.choose:
+        return CHOOSE  # lookup alone or the draft context alone, as the controller's SOURCE says
     if spec.draft_ctx is not None:
         return MODEL  # guesses from spec.lookup, if any, are checked by the draft context (hierarchical)
     return POINT if spec.lookup is not None else NONE
@@ -89,8 +92,8 @@ class NativeRounds:
 
     def __init__(self, ctx: Context, drafter: Drafter, controller: Controller, params: SamplingParams, rng: TokenRNG,
                  *, draft_max: int, batch_s: float = 0.0) -> None:
+        from .controllers import layout as L
         from .controllers.cfuncs import addresses
-        from .controllers.layout import NO_BONUS
 
         native, why = _load()
         spec = drafter.native()
@@ -102,7 +105,11 @@ class NativeRounds:
         self._native = native
         draft = self.draft_ctx
         self.rounds = native.Rounds(_open(ctx, "target"), ctx.n_batch, _open(draft, "draft") if draft else 0,
-                                    draft.n_batch if draft else 0, *addresses(), no_bonus_slot=NO_BONUS)
+                                    draft.n_batch if draft else 0, *addresses(), no_bonus_slot=L.NO_BONUS)
+        self.rounds.set_slots(L.OFFER_N, L.OFFER_CONF, L.BEHIND, L.SOURCE, L.T_CATCHUP)
+        names = getattr(drafter, "source_name", None)
+        self._names = {L.SRC_LOOKUP: names(L.SRC_LOOKUP) if names else drafter.name,
+                       L.SRC_MODEL: names(L.SRC_MODEL) if names else drafter.name}
         for which, c in enumerate((ctx, draft)):
             if c is not None:
                 self.rounds.set_tokens(which, c.tokens)
@@ -112,8 +119,8 @@ class NativeRounds:
         self._started = False
         self.draft_max = draft_max
         # rounds run ahead, in order: (drafted, accepted, next token, t_draft, t_verify, the draft
-        # limit it ran with, free target KV positions before it)
-        self._queue: deque[tuple[list[int], int, int, float, float, int, int]] = deque()
+        # limit it ran with, free target KV positions before it, the source that drafted)
+        self._queue: deque[tuple[list[int], int, int, float, float, int, int, int]] = deque()
         self._cancel = np.zeros(1, dtype=np.uint8)  # read by the extension between rounds
         self._belief: dict[str, float] | None = None  # the controller's belief after the current batch
         self.rounds.configure(controller.state, self.mode, params.temperature, params.top_k, params.top_p, rng.state,
@@ -134,8 +141,8 @@ class NativeRounds:
         if not self._queue:
             self._fetch(history, left)
             self._belief = None
-        drafted, m, nxt, t_draft, t_verify, _, _ = self._queue.popleft()
-        return RoundResult(drafted, m, nxt, t_draft, t_verify)
+        drafted, m, nxt, t_draft, t_verify, _, _, src = self._queue.popleft()
+        return RoundResult(drafted, m, nxt, t_draft, t_verify, self._names.get(src, "") if drafted else "")
 
     def belief(self) -> dict[str, float]:
         """The controller's belief after the current batch: it changed in C++, round by round, but

@@ -1,6 +1,7 @@
 """The round contract: what a round loop is, what a round returns, and the rules both loops share.
 
-A round: the controller decides how far to draft, the drafter proposes d1..dk, the target
+A round: the drafter says what it has for free (:meth:`Drafter.offer`: lookup's match, how far a
+draft model is behind), the controller decides which source drafts and how far, the drafter proposes d1..dk, the target
 decodes [last, d1..dk] in ONE llama_decode, the accepted prefix plus one target token is
 emitted, and the target's KV cache is trimmed past it. :class:`PythonRounds` is the
 reference implementation; the native loop (:mod:`.native_round`) must give the same events
@@ -25,6 +26,7 @@ class RoundResult(NamedTuple):
     next_token: int  # the target's token after them (a correction, or the bonus when m == k > 0; -1: none, a probe's)
     t_draft: float
     t_verify: float
+    source: str = ""  # the source that drafted (lookup, eesd, ...); "" when nothing was drafted
 
 
 class Controller(Protocol):
@@ -35,13 +37,16 @@ class Controller(Protocol):
     max_draft: int
     state: np.ndarray
 
-    def begin_round(self) -> None: ...
+    def begin_round(self, offer: int = 0, confidence: float = 0.0, behind: int = 0) -> None: ...
+
+    def source(self) -> int: ...
 
     def draft_more(self, step: int, confidence: float) -> bool: ...
 
     def no_bonus(self) -> bool: ...
 
-    def end_round(self, confidences: np.ndarray, n_accepted: int, t_draft: float, t_verify: float) -> None: ...
+    def end_round(self, confidences: np.ndarray, n_accepted: int, t_draft: float, t_verify: float,
+                  t_catchup: float = 0.0) -> None: ...
 
     def belief(self) -> dict[str, float]: ...
 
@@ -90,9 +95,10 @@ class PythonRounds:
 
     def run(self, history: list[int], max_n: int, left: int) -> RoundResult:
         ctx, ctl, params = self.ctx, self.ctl, self.params
-        ctl.begin_round()
         t1 = time.perf_counter()
-        prop = self.drafter.propose(history, ctl.draft_more, max_n, params, self.rng)
+        offer = self.drafter.offer(history, max_n)  # what is free to know before the round: lookup's match, catch-up
+        ctl.begin_round(offer.n, offer.confidence, offer.behind)
+        prop = self.drafter.propose(history, ctl.draft_more, max_n, params, self.rng, ctl.source())
         t2 = time.perf_counter()
         k = len(prop)
         # a probe verifies its drafts without the bonus: [last, d1..d(k-1)], k rows (plain decoding when k = 1)
@@ -106,8 +112,8 @@ class PythonRounds:
             m, nxt = verify_sampled(ctx.logits_rows(), prop.tokens, prop.probs, params, self.rng, bonus)
         ctx.trim(n_keep + min(m, n_rows - 1))  # ... and the accepted drafts it decoded; the rest is rolled back
         t3 = time.perf_counter()
-        ctl.end_round(np.asarray(prop.confidences, dtype=np.float64), m, t2 - t1, t3 - t2)
-        return RoundResult(prop.tokens, m, nxt, t2 - t1, t3 - t2)
+        ctl.end_round(np.asarray(prop.confidences, dtype=np.float64), m, t2 - t1, t3 - t2, prop.t_catchup)
+        return RoundResult(prop.tokens, m, nxt, t2 - t1, t3 - t2, prop.source if k else "")
 
     def belief(self) -> dict[str, float]:
         return self.ctl.belief()

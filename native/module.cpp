@@ -42,7 +42,7 @@ void configure(PyRounds& self, StateArray state, int mode, double temperature, i
     self.cancel = std::move(cancel);
 }
 
-// [(drafted, accepted, next token, t_draft, t_verify, max_n, room before the round)]
+// [(drafted, accepted, next token, t_draft, t_verify, max_n, room before the round, source)]
 py::list run_batch(PyRounds& self, size_t n_history, int draft_max, int left, int max_rounds) {
     {
         py::gil_scoped_release unlocked;
@@ -55,7 +55,7 @@ py::list run_batch(PyRounds& self, size_t n_history, int draft_max, int left, in
         const eesd::RoundOut& r = recs[i];
         size_t end = i + 1 < recs.size() ? recs[i + 1].first : toks.size();
         std::vector<llama_token> d(toks.begin() + r.first, toks.begin() + end);
-        out[i] = py::make_tuple(std::move(d), r.m, r.nxt, r.t_draft, r.t_verify, r.max_n, r.room);
+        out[i] = py::make_tuple(std::move(d), r.m, r.nxt, r.t_draft, r.t_verify, r.max_n, r.room, r.src);
     }
     return out;
 }
@@ -99,13 +99,20 @@ PYBIND11_MODULE(_native, m) {
         .def("set_history", &PyRounds::set_history, py::arg("history"), "The emitted history the next round continues.")
         .def("set_lookup", &PyRounds::set_lookup, py::arg("ngram_min"), py::arg("ngram_max"),
              "Run the lookup drafter's n-gram search with these sizes (0, 0: no lookup).")
+        .def(
+            "set_slots",
+            [](PyRounds& self, int offer_n, int offer_conf, int behind, int source, int t_catchup) {
+                self.set_slots(eesd::Slots{offer_n, offer_conf, behind, source, t_catchup});
+            },
+            py::arg("offer_n"), py::arg("offer_conf"), py::arg("behind"), py::arg("source"), py::arg("t_catchup"),
+            "Where the controller's state holds the offer, the chosen source and the catch-up seconds (-1: none).")
         .def("room", &PyRounds::room, "How many more tokens fit into the target context.")
         .def("configure", &configure, py::arg("state"), py::arg("mode"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
              py::arg("rng_state"), py::arg("budget_s"), py::arg("cancel"),
              "The settings of run_batch(): controller state, mode, sampling, random state, time budget, cancel flag.")
         .def("run_batch", &run_batch, py::arg("n_history"), py::arg("draft_max"), py::arg("left"), py::arg("max_rounds"),
              "Rounds until an end token, the token budget, max_rounds, the time budget or the cancel flag: "
-             "[(drafted, accepted, next token, t_draft, t_verify, max_n, room)].")
+             "[(drafted, accepted, next token, t_draft, t_verify, max_n, room, source)].")
         .def("rng_state", &PyRounds::rng_state, "The random stream's state after the batches so far.")
         .def_property_readonly("t_llama", &PyRounds::t_llama, "Seconds inside llama_decode over all batches.")
         .def("close", &PyRounds::close, "Free the batches; the contexts stay with Python.");

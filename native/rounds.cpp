@@ -12,9 +12,22 @@ namespace eesd {
 // [last, d1..dk] in ONE llama_decode, the accepted prefix d1..dm and one target token are
 // emitted, the target's KV cache is trimmed past them, and the controller learns how it went.
 void Rounds::one_round(int max_n, RoundOut& r) {
-    begin_(st_, n_st_);
     double t1 = now_s();
-    draft(max_n);
+    // what is free to know before the round (Drafter.offer): lookup's match, how far the draft model is behind
+    cands_.clear();
+    double conf = 0.0;
+    if (ngram_max_ > 0 && mode_ != NONE) {  // the lookup drafter runs here rather than in Python
+        int n_match = lookup(max_n, cands_);
+        conf = n_match > 0 ? n_match / (ngram_max_ + 1.0) : 0.0;  // lookup.match_confidence
+    }
+    bool offers = mode_ == POINT || mode_ == CHOOSE;  // a hierarchical drafter's guesses are not free proposals
+    put(slots_.offer_n, offers ? static_cast<double>(cands_.size()) : 0.0);
+    put(slots_.offer_conf, offers && !cands_.empty() ? conf : 0.0);
+    put(slots_.behind, (mode_ == MODEL || mode_ == CHOOSE) && dft_.ctx ? behind() : 0.0);
+    put(slots_.t_catchup, 0.0);
+    t_catchup_ = 0.0;
+    begin_(st_, n_st_);
+    r.src = draft(max_n, conf);
     double t2 = now_s();
     int k = static_cast<int>(drafted_.size());
     // a probe verifies its drafts without the bonus: [last, d1..d(k-1)], k rows (rounds.PythonRounds)
@@ -35,7 +48,9 @@ void Rounds::one_round(int max_n, RoundOut& r) {
     r.nxt = nxt;
     r.t_draft = t2 - t1;
     r.t_verify = t3 - t2;
-    update_(st_, n_st_, conf_.data(), static_cast<int64_t>(conf_.size()), m, r.t_draft, r.t_verify);
+    if (drafted_.empty()) r.src = SRC_NONE;
+    put(slots_.t_catchup, t_catchup_);
+    update_(st_, n_st_, conf_.data(), static_cast<int64_t>(conf_.size()), m, r.t_draft - t_catchup_, r.t_verify);
     history_.insert(history_.end(), drafted_.begin(), drafted_.begin() + m);
     if (nxt >= 0) history_.push_back(nxt);  // -1: a probe whose drafts were all accepted
 }
@@ -79,19 +94,29 @@ void Rounds::run_batch(size_t n_history, int draft_max, int left, int max_rounds
 
 // --- drafting -------------------------------------------------------------------------
 
-// d1..dk into drafted_, with the controller's confidence in each and whether it is a point proposal
-void Rounds::draft(int max_n) {
+// d1..dk into drafted_, with the controller's confidence in each and whether it is a point proposal;
+// returns the source that drafted (cands_ holds the lookup's proposals already)
+int Rounds::draft(int max_n, double conf) {
     drafted_.clear();
     conf_.clear();
     point_.clear();
-    cands_.clear();
-    double conf = 0.0;
-    if (ngram_max_ > 0 && mode_ != NONE) {  // the lookup drafter runs here rather than in Python
-        int n_match = lookup(max_n, cands_);
-        conf = static_cast<double>(n_match) / ngram_max_;  // a longer matched n-gram is a safer bet
+    int src = mode_ == POINT ? SRC_LOOKUP : mode_ == MODEL ? SRC_MODEL : SRC_NONE;
+    if (mode_ == CHOOSE) {
+        src = slots_.source >= 0 && slots_.source < n_st_ ? static_cast<int>(st_[slots_.source]) : SRC_ANY;
+        if (src == SRC_ANY) src = !cands_.empty() || !dft_.ctx ? SRC_LOOKUP : SRC_MODEL;  // AutoDrafter.propose
+        if (src == SRC_MODEL && !dft_.ctx) src = SRC_NONE;
     }
-    if (mode_ == POINT) propose_point(max_n, conf);
-    if (mode_ == MODEL) propose_model(max_n);  // the lookup's proposals are its guesses
+    if (src == SRC_LOOKUP) propose_point(max_n, conf);
+    if (src == SRC_MODEL) propose_model(max_n, mode_ == MODEL);  // hierarchical: the lookup's proposals are its guesses
+    return src;
+}
+
+// tokens of the history the draft context lacks, but the last one (ModelDrafter.behind)
+int Rounds::behind() const {
+    size_t common = 0;
+    size_t lim = std::min(dft_.tokens.size(), history_.size());
+    while (common < lim && dft_.tokens[common] == history_[common]) common++;
+    return static_cast<int>(history_.size() - 1 - std::min(common, history_.size() - 1));
 }
 
 void Rounds::add(llama_token tok, bool point, double conf) {
@@ -123,7 +148,7 @@ int Rounds::lookup(int max_n, std::vector<llama_token>& out) {
 
 // lookup: the controller cuts the proposals (LookupDrafter.propose)
 void Rounds::propose_point(int max_n, double conf) {
-    if (max_n <= 0 || !decide_(st_, n_st_, 0, 1.0)) return;
+    if (max_n <= 0 || cands_.empty() || !decide_(st_, n_st_, 0, 1.0)) return;
     int n = std::min(max_n, static_cast<int>(cands_.size()));
     for (int i = 0; i < n; i++) {
         if (i && !decide_(st_, n_st_, i, conf)) break;
@@ -160,9 +185,10 @@ llama_token Rounds::pick(const float* row, llama_token guess, size_t j, double& 
 
 // a draft model: sync its cache with the history lazily, then draft token by token,
 // taking the lookup's guesses (cands_) while they survive (ModelDrafter.propose)
-void Rounds::propose_model(int max_n) {
+void Rounds::propose_model(int max_n, bool guesses) {
     if (max_n <= 0 || !decide_(st_, n_st_, 0, 1.0)) return;
-    const std::vector<llama_token>& guess = cands_;
+    static const std::vector<llama_token> no_guess;
+    const std::vector<llama_token>& guess = guesses ? cands_ : no_guess;
     Ctx& d = dft_;
     size_t common = 0;
     size_t lim = std::min(d.tokens.size(), history_.size());
@@ -173,6 +199,12 @@ void Rounds::propose_model(int max_n) {
     int n_feed = static_cast<int>(feed_.size());
     int n_guess = std::max(0, std::min({max_n, d.room() - n_feed, static_cast<int>(guess.size())}));
     if (n_feed + n_guess > d.room()) return;
+    if (n_feed > 1) {  // catching up on tokens emitted while it did not draft: timed apart (charged to resuming)
+        double t0 = now_s();
+        d.decode(feed_.data(), n_feed - 1, 0, t_llama_);
+        t_catchup_ = now_s() - t0;
+        feed_.erase(feed_.begin(), feed_.end() - 1);
+    }
     feed_.insert(feed_.end(), guess.begin(), guess.begin() + n_guess);
     d.decode(feed_.data(), static_cast<int>(feed_.size()), n_guess + 1, t_llama_);
     int n_rows = n_guess + 1;
@@ -312,7 +344,8 @@ void Rounds::check_call(size_t n_history) {
 }
 
 void Rounds::check_mode(int mode) const {
-    if (mode < NONE || mode > MODEL) throw std::invalid_argument("mode must be 0 (none), 1 (lookup) or 2 (draft model)");
+    if (mode < NONE || mode > CHOOSE)
+        throw std::invalid_argument("mode must be 0 (none), 1 (lookup), 2 (draft model) or 3 (the controller chooses)");
     if (mode == MODEL && !dft_.ctx) throw std::invalid_argument("mode 2 needs a draft context");
 }
 

@@ -33,12 +33,23 @@ using begin_fn = void (*)(double*, int64_t);
 using decide_fn = int64_t (*)(double*, int64_t, int64_t, double);
 using update_fn = void (*)(double*, int64_t, double*, int64_t, int64_t, double, double);
 
-enum Mode { NONE = 0, POINT = 1, MODEL = 2 };  // no drafter; fixed proposals (lookup); a draft model
+// no drafter; fixed proposals (lookup); a draft model (lookup's proposals, if any, are its guesses);
+// the controller picks one source per round (lookup alone or the draft model alone)
+enum Mode { NONE = 0, POINT = 1, MODEL = 2, CHOOSE = 3 };
+// the sources, as the controller's SOURCE slot numbers them (controllers/layout.py SRC_*)
+enum Source { SRC_ANY = -2, SRC_NONE = -1, SRC_LOOKUP = 0, SRC_MODEL = 1 };
+
+// state slots the loop writes before a round (the offer), reads after begin (source) and writes
+// before update (catch-up seconds); -1: not written (controllers/layout.py)
+struct Slots {
+    int offer_n = -1, offer_conf = -1, behind = -1, source = -1, t_catchup = -1;
+};
 
 // What one round of a batch did; its drafts are Rounds::drafted()[first, next round's first)
 struct RoundOut {
     int m = 0;      // d1..dm were accepted
     int nxt = 0;    // the target's token after them (-1: none, a probe's)
+    int src = SRC_NONE;  // the source that drafted (SRC_NONE: nothing drafted)
     int max_n = 0;  // the draft limit it ran with
     int room = 0;   // free target KV positions before it
     int first = 0;
@@ -67,6 +78,8 @@ class Rounds {
     int room() { return open_target().room(); }
     // the lookup drafter's n-gram sizes: its search runs here, on the history this loop holds (0, 0: off)
     void set_lookup(int ngram_min, int ngram_max);
+    // where the offer, the source and the catch-up time live in the controller's state
+    void set_slots(const Slots& s) { slots_ = s; }
 
     // The batches' settings: the controller's state (written in place), the drafting mode, the
     // sampling parameters, the random stream's state, the time budget of a batch, and a flag
@@ -90,10 +103,14 @@ class Rounds {
 
   private:
     void one_round(int max_n, RoundOut& r);
-    void draft(int max_n);
+    int draft(int max_n, double conf);
     int lookup(int max_n, std::vector<llama_token>& out);
+    int behind() const;
+    void put(int slot, double v) {
+        if (slot >= 0 && slot < n_st_) st_[slot] = v;
+    }
     void propose_point(int max_n, double conf);
-    void propose_model(int max_n);
+    void propose_model(int max_n, bool guesses);
     llama_token pick(const float* row, llama_token guess, size_t j, double& conf);
     void add(llama_token tok, bool point, double conf);
     void verify_greedy(int k, bool bonus, int& m, int& nxt);
@@ -110,6 +127,8 @@ class Rounds {
     decide_fn decide_;
     update_fn update_;
     int no_bonus_slot_ = -1;
+    Slots slots_;
+    double t_catchup_ = 0.0;  // this round's draft model catch-up seconds
     int ngram_min_ = 0, ngram_max_ = 0;
     std::vector<llama_token> history_;
 

@@ -11,7 +11,7 @@ import eesd_local
 from eesd_local import cli
 from eesd_local.bench import REQUIRED_KEYS, PromptItem, load_prompts, runner
 from eesd_local.bench.methods import EngineMethod, MethodSpec, Sampling, parse_methods
-from eesd_local.bench.prompts import chat_set, code_set, rewrite_set
+from eesd_local.bench.prompts import CHAT_KINDS, chat_kind, chat_set, code_set, rewrite_set
 from eesd_local.errors import EesdError
 from eesd_local.heads.data import heldout_sharegpt_range, is_heldout_module, sharegpt_records
 
@@ -84,7 +84,22 @@ def test_builtin_sets_hold_no_training_records():
         assert is_heldout_module(module), f"{it.id} comes from a training module"
         assert "```python\n" in it.messages[0][1]
     picked = load_prompts("code,chat,rewrite", n_per_category=3)
-    assert [it.category for it in picked] == ["code", "chat", "rewrite"] * 3
+    kinds = ["code"] + [f"chat-{k}" for k in CHAT_KINDS] + ["rewrite"]
+    assert sorted({it.category for it in picked}) == sorted(kinds)  # every kind of chat request is a category
+    assert [it.category for it in picked[: len(kinds)]] == list(dict.fromkeys(it.category for it in picked))  # they take turns
+    assert len(picked) == 3 * len(kinds)
+    only_chat = load_prompts("chat", categories=["chat"], n_per_category=1)  # "chat" selects every kind
+    assert {it.category for it in only_chat} == {f"chat-{k}" for k in CHAT_KINDS}
+
+
+def test_chat_kinds():
+    assert chat_kind("Please rephrase this paragraph so it sounds friendlier.") == "edit"
+    assert chat_kind("Write a Python function that merges two sorted lists.") == "coding"
+    assert chat_kind("If it takes 5 machines 5 minutes to make 5 devices, how long for 100?") == "math"
+    assert chat_kind("Give me 10 ideas for a birthday party.") == "list"
+    assert chat_kind("Write a poem about the sea.") == "writing"
+    assert chat_kind("Why is the sky blue?") == "explain"
+    assert chat_kind("Act as a travel agent for me.") == "other"
 
 
 def test_method_specs():

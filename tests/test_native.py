@@ -27,7 +27,7 @@ _native = pytest.importorskip("eesd_local._native", reason="the native extension
 def _clear(eng) -> None:
     """Empty both KV caches, so that both loops start from the same state."""
     eng.ctx.clear()
-    inner = getattr(eng.drafter, "inner", eng.drafter)
+    inner = getattr(eng.drafter, "inner", None) or getattr(eng.drafter, "model", None) or eng.drafter
     if hasattr(inner, "ctx"):
         inner.ctx.clear()
 
@@ -38,17 +38,19 @@ def _events(eng, prompt, monkeypatch, native: bool, **kw):
     evs = list(eng.generate(prompt, **kw))
     assert eng.loop_note.startswith("round loop: native" if native else "round loop: Python")
     toks = [(e.token, e.text, e.source, e.round) for e in evs if isinstance(e, TokenEvent)]
-    rounds = [(e.index, e.drafted, e.accepted, e.emitted) for e in evs if isinstance(e, RoundEvent)]
+    rounds = [(e.index, e.drafted, e.accepted, e.emitted, e.source) for e in evs if isinstance(e, RoundEvent)]
     fin = evs[-1]
     assert isinstance(fin, FinishEvent)
     s = fin.stats
     return toks, rounds, (fin.reason, fin.text, s.n_generated, s.n_rounds, s.n_drafted, s.n_accepted, s.drafted_at, s.accepted_at)
 
 
-def _same_both_ways(eng, prompt, monkeypatch, **kw) -> int:
+def _same_both_ways(eng, prompt, monkeypatch, sources: set | None = None, **kw) -> int:
     py = _events(eng, prompt, monkeypatch, False, **kw)
     nat = _events(eng, prompt, monkeypatch, True, **kw)
     assert nat == py
+    if sources is not None:
+        sources.update(r[4] for r in py[1] if r[4])
     return py[2][4]  # drafted tokens
 
 
@@ -60,6 +62,8 @@ DRAFTERS = {
     "eesd": dict(drafter="eesd", controller="pmin:0.2"),
     "draft-model": dict(drafter="draft-model", draft_model=QWEN05, controller="fixed:3"),
     "hierarchical": dict(drafter="hierarchical", controller="fixed:3"),
+    # a baseline controller does not choose: lookup drafts where it found a match, else the exit head
+    "auto": dict(drafter="auto", controller="fixed:3"),
 }
 MESSAGES = [
     [{"role": "user", "content": "Rewrite this without the loop: total = 0\nfor x in xs:\n    total = total + x\nprint(total)"}],
@@ -71,10 +75,13 @@ MESSAGES = [
 def test_native_equals_python_on_the_demo_model(name, monkeypatch):
     with eesd_local.load(QWEN05, n_ctx=1024, **DRAFTERS[name]) as eng:
         prompts = [eng.tokenize(eng.apply_chat_template(m)) for m in MESSAGES]
-        drafted = _same_both_ways(eng, prompts[0], monkeypatch, max_tokens=20)
-        drafted += _same_both_ways(eng, prompts[1], monkeypatch, max_tokens=12, temperature=0.8, top_p=0.95, seed=7)
-        drafted += _same_both_ways(eng, prompts[0], monkeypatch, max_tokens=12, temperature=1.0, top_k=40, seed=3)
+        sources: set[str] = set()
+        drafted = _same_both_ways(eng, prompts[0], monkeypatch, sources, max_tokens=20)
+        drafted += _same_both_ways(eng, prompts[1], monkeypatch, sources, max_tokens=12, temperature=0.8, top_p=0.95, seed=7)
+        drafted += _same_both_ways(eng, prompts[0], monkeypatch, sources, max_tokens=12, temperature=1.0, top_k=40, seed=3)
     assert name == "none" or drafted > 0, "nothing was drafted: the test would not test the drafter"
+    if name == "auto":
+        assert sources == {"lookup", "eesd"}, f"both sources should draft here, saw {sources}"
 
 
 @pytest.mark.parametrize(("name", "k"), [("lookup", 3), ("eesd", 1), ("draft-model", 3)])
@@ -90,8 +97,8 @@ def test_probe_rounds_native_equals_python_and_plain(name, k, monkeypatch):
         py = _events(eng, prompt, monkeypatch, False, max_tokens=24)
         nat = _events(eng, prompt, monkeypatch, True, max_tokens=24)
         assert nat == py
-        assert any(d > 0 and a == d and e == d for _, d, a, e in py[1]), "no probe ended on its last draft"
-        assert all(e == (a if a == d and d > 0 else a + 1) for _, d, a, e in py[1])
+        assert any(d > 0 and a == d and e == d for _, d, a, e, _ in py[1]), "no probe ended on its last draft"
+        assert all(e == (a if a == d and d > 0 else a + 1) for _, d, a, e, _ in py[1])
         _same_both_ways(eng, prompt, monkeypatch, max_tokens=16, temperature=0.8, top_p=0.95, seed=11)
         eng.set_drafter("none")
         plain = _events(eng, prompt, monkeypatch, True, max_tokens=24)
@@ -236,7 +243,7 @@ def test_bad_input_raises_never_crashes(tiny, monkeypatch):
         with pytest.raises(ValueError, match="controller state must be"):
             rounds.configure(state.reshape(1, -1), 0, 0.0, 0, 1.0, 1, 0.05, np.zeros(1, dtype=np.uint8))
         with pytest.raises(ValueError, match="mode must be"):
-            rounds.configure(state, 3, 0.0, 0, 1.0, 1, 0.05, np.zeros(1, dtype=np.uint8))
+            rounds.configure(state, 4, 0.0, 0, 1.0, 1, 0.05, np.zeros(1, dtype=np.uint8))
         with pytest.raises(ValueError, match="draft context"):
             rounds.configure(state, 2, 0.0, 0, 1.0, 1, 0.05, np.zeros(1, dtype=np.uint8))
         with pytest.raises(ValueError, match="lookup n-grams"):

@@ -21,8 +21,8 @@ from ..events import FinishEvent, Stats, TokenEvent
 
 PEER = "llama-cpp-python"
 PEER_LOOKUP = "llama-cpp-python-lookup"
-ENGINE_DRAFTERS = ("none", "eesd", "lookup", "draft-model", "hierarchical")
-METHOD_HELP = ("none, eesd, eesd-fixed:K, lookup, draft-model, hierarchical (any drafter takes -fixed:K, or "
+ENGINE_DRAFTERS = ("none", "auto", "eesd", "lookup", "draft-model", "hierarchical")
+METHOD_HELP = ("none, auto, eesd, eesd-fixed:K, lookup, draft-model, hierarchical (any drafter takes -fixed:K, or "
                f"@CONTROLLER as in eesd@beta-ts), {PEER}, {PEER_LOOKUP}[:N]")
 # separate draft models of the same vocabulary, by target registry name
 DEFAULT_DRAFT_MODELS = {"qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-0.5b-instruct"}
@@ -65,7 +65,7 @@ def _parse_one(name: str, controller: str | None) -> MethodSpec:
 
         make_controller(ctl)  # a bad spec fails here, before any model loads
         return MethodSpec(name, drafter, ctl)
-    m = re.fullmatch(r"(eesd|lookup|draft-model|hierarchical)-fixed:(\d+)", name)
+    m = re.fullmatch(r"(auto|eesd|lookup|draft-model|hierarchical)-fixed:(\d+)", name)
     if m:
         if int(m.group(2)) < 1:
             raise EesdError(f"method {name}: K must be at least 1", hint="e.g. eesd-fixed:4")

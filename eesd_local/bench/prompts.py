@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import gzip
 import json
+import re
 import textwrap
 import zlib
 from dataclasses import dataclass
@@ -120,11 +121,45 @@ def code_set() -> list[PromptItem]:
     ]
 
 
+# kinds of chat request, first rule that matches wins (edit before coding: "fix the grammar of this
+# code comment" is an edit; coding before writing: "write a Python function" is code)
+_CHAT_KINDS: tuple[tuple[str, re.Pattern[str]], ...] = tuple((kind, re.compile(rx, re.I)) for kind, rx in (
+    ("edit", r"\b(rewrite|re-write|rephrase|paraphrase|summari[sz]e|translate|proofread|correct (the|my|this)|shorten|"
+             r"improve (the|my|this)|make (it|this) (more|less|shorter|longer)|reword)\b"),
+    ("coding", r"```|\b(code|coding|python|javascript|typescript|java|c\+\+|c#|sql|html|css|react|function|api|class|"
+               r"script|compile|compiler|bug|error|exception|regex|database|linux|bash|docker|git|json|excel|vba|"
+               r"algorithm|implement|program|library|framework|server|query|django|flask|node|npm|spring)\b"),
+    ("math", r"\d\s*[-+*/^=]\s*\d|\b(calculate|equation|solve|probability|how many|how much|how long|percent|sum of|integral|"
+             r"derivative|math)\b"),
+    ("list", r"\b(list|ideas|top \d+|\d+ (ways|tips|ideas|examples|titles|names|questions|reasons)|suggest|"
+             r"brainstorm|examples of|names for|titles)\b"),
+    ("writing", r"\b(write|compose|draft|create|generate|make) (me |us )?(a|an|the|some|my)\b|\b(story|poem|essay|"
+                r"email|letter|article|blog|song|lyrics|speech|itinerary|script|cover letter|outline|plan)\b"),
+    ("explain", r"^\s*(what|why|how|who|when|where|which|is|are|can|could|does|do|should|explain|describe|tell me)\b|"
+                r"\b(explain|difference between|meaning of|what is|what are)\b"),
+))
+
+
+CHAT_KINDS = tuple(kind for kind, _ in _CHAT_KINDS) + ("other",)
+
+
+def chat_kind(request: str) -> str:
+    """The kind of a chat request (edit, coding, math, list, writing, explain, other), by keyword
+    rules: chat prompts of several kinds behave differently under drafting (prompt lookup pays on
+    edits, barely on open writing), so the bench reports each kind by itself."""
+    for kind, rx in _CHAT_KINDS:
+        if rx.search(request):
+            return kind
+    return "other"
+
+
 def chat_set(*, max_chars: int = 1500) -> list[PromptItem]:
-    """First user turns of the held-out ShareGPT records (never used to train a head)."""
+    """First user turns of the held-out ShareGPT records (never used to train a head), one
+    category per kind of request (``chat-edit``, ``chat-coding``, ... see :func:`chat_kind`)."""
     from ..heads.data import sharegpt_items
 
-    return [PromptItem(it.id, "chat", messages=it.messages) for it in sharegpt_items("heldout", max_chars=max_chars)]
+    return [PromptItem(it.id, f"chat-{chat_kind(it.messages[-1][1])}", messages=it.messages)
+            for it in sharegpt_items("heldout", max_chars=max_chars)]
 
 
 # edit tasks whose answer is mostly the input again: prompt lookup's home ground
@@ -203,11 +238,14 @@ def load_prompts(spec: str, *, categories: list[str] | None = None, n_per_catego
     by_cat: dict[str, list[PromptItem]] = {}
     for it in items:
         by_cat.setdefault(it.category, []).append(it)
-    if categories:
-        unknown = [c for c in categories if c not in by_cat]
+    if categories:  # "chat" names every kind of chat request (chat-edit, chat-coding, ...)
+        def wanted(cat: str, c: str) -> bool:
+            return cat == c or cat.startswith(c + "-")
+
+        unknown = [c for c in categories if not any(wanted(cat, c) for cat in by_cat)]
         if unknown:
             raise EesdError(f"no prompts of category {', '.join(unknown)}", hint=f"the prompts have categories {', '.join(by_cat)}")
-        by_cat = {c: by_cat[c] for c in by_cat if c in categories}
+        by_cat = {cat: g for cat, g in by_cat.items() if any(wanted(cat, c) for c in categories)}
     # categories take turns, so a run cut short has measured every category alike
     groups = [spread(g, n_per_category) for g in by_cat.values()]
     out = [g[i] for i in range(max(map(len, groups), default=0)) for g in groups if i < len(g)]

@@ -171,6 +171,8 @@ def open_method(spec: MethodSpec, cfg: BenchConfig, model_path: Path, head: str 
                     n_gpu_layers=cfg.n_gpu_layers, n_threads=cfg.n_threads)
     if spec.drafter in ("eesd", "hierarchical"):
         kw["head"] = head
+    if spec.drafter == "auto" and cfg.head:  # else auto finds the model's shipped head itself, if any
+        kw["head"] = cfg.head
     if spec.drafter == "draft-model" or (spec.drafter == "hierarchical" and head is None):
         kw["draft_model"] = draft_model
     return EngineMethod(spec, load(str(model_path), **kw))

@@ -56,8 +56,21 @@ class Controller:
         self.max_draft = int(state[L.MAX_DRAFT])
         self.state = state
 
-    def begin_round(self) -> None:
-        controller_begin(self.state)
+    def begin_round(self, offer: int = 0, confidence: float = 0.0, behind: int = 0) -> None:
+        """A round starts. What the loop knows before it: ``offer`` free proposals (prompt lookup's
+        continuation) with this ``confidence`` (0: unknown), and ``behind``, the tokens a draft model
+        would catch up on before drafting."""
+        s = self.state
+        s[L.OFFER_N] = offer
+        s[L.OFFER_CONF] = confidence
+        s[L.BEHIND] = behind
+        s[L.T_CATCHUP] = 0.0
+        controller_begin(s)
+
+    def source(self) -> int:
+        """Which source drafts this round (L.SRC_LOOKUP, L.SRC_MODEL, L.SRC_NONE; L.SRC_ANY: the
+        controller does not choose, the drafter takes its default)."""
+        return int(self.state[L.SOURCE])
 
     def draft_more(self, step: int, confidence: float) -> bool:
         """Draft token number step+1? step = tokens drafted so far this round; confidence = the
@@ -68,11 +81,14 @@ class Controller:
         """Verify this round's drafts without the bonus token (a probe: the batch is [last, d1..d(k-1)])."""
         return bool(self.state[L.NO_BONUS] != 0.0)
 
-    def end_round(self, confidences: np.ndarray, n_accepted: int, t_draft: float, t_verify: float) -> None:
+    def end_round(self, confidences: np.ndarray, n_accepted: int, t_draft: float, t_verify: float,
+                  t_catchup: float = 0.0) -> None:
         """After verification: one confidence per drafted token, the accepted prefix length,
-        seconds spent drafting this round, seconds of the target's decode of n_drafted+1 tokens."""
+        seconds spent drafting this round (``t_catchup`` of them a draft model's catching up on
+        tokens it missed), seconds of the target's decode of n_drafted+1 tokens."""
         confidences = np.ascontiguousarray(confidences, dtype=np.float64)
-        controller_update(self.state, confidences, int(n_accepted), float(t_draft), float(t_verify))
+        self.state[L.T_CATCHUP] = t_catchup
+        controller_update(self.state, confidences, int(n_accepted), float(t_draft - t_catchup), float(t_verify))
 
     def belief(self) -> dict[str, float]:
         """Posterior of the acceptance rate (all positions pooled) and the running draft length."""
@@ -92,6 +108,14 @@ class Controller:
             "rounds": float(s[L.ROUNDS]),
         }
         kind = s[L.KIND]
+        if kind == L.MULTI:
+            out["source"] = float(s[L.SOURCE])
+            for i, name in enumerate(SOURCE_NAMES[: int(s[L.N_SRC])]):
+                sub = _source_state(s, i)
+                a1, b1 = sub[L.POS0], sub[L.POS0 + 1]
+                out[f"{name}_theta_1"] = float(a1 / (a1 + b1))
+                out[f"{name}_rounds"] = float(sub[L.ROUNDS])
+                out[f"{name}_tau"] = float(sub[L.EMA_ACCEPTED] + 1.0)
         if kind == L.HEURISTIC:
             out["k"] = float(s[L.PARAM])
         if kind == L.THOMPSON and s[L.RULE] == 0.0:
@@ -131,7 +155,17 @@ def _new_state(size: int, kind: int, max_draft: int, seed: int) -> np.ndarray:
     state[L.RNG : L.RNG + 4] = seed_words(seed)
     state[L.ALL_A] = 1.0
     state[L.ALL_B] = 1.0
+    state[L.SOURCE] = L.SRC_ANY
     return state
+
+
+SOURCE_NAMES = ("lookup", "model")  # as L.SRC_LOOKUP, L.SRC_MODEL number them
+
+
+def _source_state(state: np.ndarray, s: int) -> np.ndarray:
+    size = int(L.thompson_size(int(state[L.MAX_DRAFT])))
+    at = L.MULTI_HEAD + s * size
+    return state[at : at + size]
 
 
 def _bad_spec(spec: str, why: str) -> EesdError:
@@ -141,11 +175,27 @@ def _bad_spec(spec: str, why: str) -> EesdError:
     )
 
 
-def make_controller(spec: str, *, max_draft: int = DRAFT_MAX, seed: int = 0, eps: float = TS_EPS, forget: float = TS_FORGET) -> Controller:
-    """A fresh controller from its spec; raises EesdError on a bad spec."""
+def make_controller(spec: str, *, max_draft: int = DRAFT_MAX, seed: int = 0, eps: float = TS_EPS, forget: float = TS_FORGET,
+                    sources: int = 1) -> Controller:
+    """A fresh controller from its spec; raises EesdError on a bad spec. ``sources`` > 1: a
+    Thompson spec becomes a multi-source controller (one state per source, see multi.py) that
+    chooses each round which source drafts; baseline rules leave the choice to the drafter."""
     if not isinstance(max_draft, int) or max_draft < 1:
         raise EesdError(f"max_draft must be a positive integer, got {max_draft!r}", hint="e.g. --draft-max 8")
+    if sources not in range(1, L.MAX_SRC + 1):
+        raise EesdError(f"a controller takes 1 to {L.MAX_SRC} sources, not {sources!r}")
     name, _, arg = spec.strip().lower().partition(":")
+    if name in ("beta-ts", "calibration-ts", "cost-ts") and sources > 1:
+        # one whole Thompson state per source, behind a header of its own (multi.py)
+        size = int(L.thompson_size(max_draft))
+        subs = [make_controller(spec, max_draft=max_draft, seed=seed + 7919 * (i + 1), eps=eps, forget=forget)
+                for i in range(sources)]
+        state = _new_state(L.MULTI_HEAD + sources * size, L.MULTI, max_draft, seed)
+        state[L.N_SRC] = sources
+        for i, sub in enumerate(subs):
+            state[L.SRC_OFS + i] = L.MULTI_HEAD + i * size
+            state[L.MULTI_HEAD + i * size : L.MULTI_HEAD + (i + 1) * size] = sub.state
+        return Controller(subs[0].name, state)
     if name in ("beta-ts", "calibration-ts", "cost-ts"):
         key = name if not arg else f"{name}:{arg}"
         if key not in _THOMPSON:

@@ -15,7 +15,8 @@ from numba import njit
 
 from .baselines import fixed_decide, heuristic_decide, heuristic_update, pmin_decide
 from .common import update_header
-from .layout import FIXED, HEURISTIC, KIND, PMIN, THOMPSON
+from .layout import FIXED, HEURISTIC, KIND, MULTI, PMIN, THOMPSON
+from .multi import multi_begin, multi_decide, multi_update
 from .thompson import ts_begin, ts_decide, ts_update
 
 
@@ -23,6 +24,8 @@ from .thompson import ts_begin, ts_decide, ts_update
 def controller_begin(state):
     if state[KIND] == THOMPSON:
         ts_begin(state)
+    elif state[KIND] == MULTI:
+        multi_begin(state)
 
 
 @njit(cache=True)
@@ -30,6 +33,8 @@ def controller_decide(state, step, confidence):
     kind = state[KIND]
     if kind == THOMPSON:
         return ts_decide(state, step, confidence)
+    if kind == MULTI:
+        return multi_decide(state, step, confidence)
     if kind == FIXED:
         return fixed_decide(state, step, confidence)
     if kind == PMIN:
@@ -45,5 +50,7 @@ def controller_update(state, confidences, n_accepted, t_draft, t_verify):
     kind = state[KIND]
     if kind == THOMPSON:
         ts_update(state, confidences, n_accepted, t_verify)
+    elif kind == MULTI:
+        multi_update(state, confidences, n_accepted, t_draft, t_verify)
     elif kind == HEURISTIC:
         heuristic_update(state, confidences, n_accepted)

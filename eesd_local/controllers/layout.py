@@ -15,6 +15,7 @@ FIXED = 1
 PMIN = 2
 HEURISTIC = 3
 THOMPSON = 4
+MULTI = 5  # several sources (lookup, a draft model), each with a Thompson state of its own: see multi.py
 
 # header, shared by all kinds
 KIND = 0
@@ -30,23 +31,37 @@ ALL_A = 12  # pooled Beta posterior of "a draft token is accepted", all position
 ALL_B = 13
 N_T_VERIFY = 14  # rounds with a usable verify time
 NO_BONUS = 15  # this round verifies its drafts without the bonus token (a probe: see thompson.py); set by begin
-HEADER = 16
+# what the round loop knows before a round begins, written by the loop before controller_begin:
+OFFER_N = 16  # free proposals on offer (prompt lookup's continuation length; 0: none)
+OFFER_CONF = 17  # their confidence (the lookup's matched n-gram length over its maximum; 0: unknown)
+BEHIND = 18  # tokens a draft model would catch up on before drafting (it did not draft for a while)
+SOURCE = 19  # which source drafts this round (set by a multi-source begin: see SRC_*)
+T_CATCHUP = 20  # seconds this round's draft model spent catching up (written by the loop before update)
+HEADER = 21
+
+# the sources of a drafter, as SOURCE numbers them
+SRC_ANY = -2  # the controller does not choose (one source, or a baseline rule): the drafter's own default
+SRC_NONE = -1  # nothing is drafted this round
+SRC_LOOKUP = 0
+SRC_MODEL = 1
 
 # baselines: one parameter
-PARAM = 16  # fixed: K; pmin: p_min; heuristic: the current K (a float that moves by +2/-1)
-BASELINE_SIZE = 17
+PARAM = HEADER  # fixed: K; pmin: p_min; heuristic: the current K (a float that moves by +2/-1)
+BASELINE_SIZE = HEADER + 1
 
 # Thompson-sampling block
-RULE = 16  # 0: act optimally under the sampled model; 1: the EESD paper's Bernoulli(theta) rule
-USE_BINS = 17  # condition on the drafter's confidence (calibration)
-BATCH_COSTS = 18  # verify time per batch size (cost-aware); else one verify time for all sizes
-EPS = 19  # exploration budget: the share of time a closed gate may spend on one-token probes
-FORGET = 20  # per-observation discount of past evidence toward the prior
-LAMBDA = 21  # this round's target rate: tokens per second of the best fixed k under the sample
-PREFIX = 22  # sampled chance that every token drafted so far in this round is accepted
-PROBE = 23  # this round may probe (1) or not (0)
-OPEN = 24  # drafting pays under the posterior means (1) or not (0): when not, only probes draft
-BIN0 = 25  # N_BINS triples (alpha, beta, predicted) over confidence bins, see thompson.py
+RULE = HEADER + 0  # 0: act optimally under the sampled model; 1: the EESD paper's Bernoulli(theta) rule
+USE_BINS = HEADER + 1  # condition on the drafter's confidence (calibration)
+BATCH_COSTS = HEADER + 2  # verify time per batch size (cost-aware); else one verify time for all sizes
+EPS = HEADER + 3  # exploration budget: the share of time a closed gate may spend on one-token probes
+FORGET = HEADER + 4  # per-observation discount of past evidence toward the prior
+LAMBDA = HEADER + 5  # this round's target rate: tokens per second of the best fixed k under the sample
+PREFIX = HEADER + 6  # sampled chance that every token drafted so far in this round is accepted
+PROBE = HEADER + 7  # this round may probe (1) or not (0)
+OPEN = HEADER + 8  # drafting pays under the posterior means (1) or not (0): when not, only probes draft
+RESUME = HEADER + 9  # seconds per token a model source spends catching up (charged to resuming, not to drafts)
+N_RESUME = HEADER + 10  # catch-up samples behind RESUME
+BIN0 = HEADER + 11  # N_BINS triples (alpha, beta, predicted) over confidence bins, see thompson.py
 N_BINS = 10
 BIN_WIDTH = 3
 POS0 = BIN0 + BIN_WIDTH * N_BINS  # K triples (alpha, beta, predicted), one per draft position
@@ -74,3 +89,11 @@ def th0(k):
 @njit(cache=True)
 def thompson_size(k):
     return th0(k) + 2 * k
+
+
+# multi-source block: the number of sources, then each source's whole Thompson state (header
+# included) at its offset; the outer header keeps the pooled statistics and the round's SOURCE
+N_SRC = HEADER
+SRC_OFS = HEADER + 1  # MAX_SRC offsets
+MAX_SRC = 2
+MULTI_HEAD = HEADER + 1 + MAX_SRC

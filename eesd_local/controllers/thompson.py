@@ -62,6 +62,7 @@ from .layout import (
     ALL_A,
     ALL_B,
     BATCH_COSTS,
+    BEHIND,
     BIN0,
     BIN_WIDTH,
     EMA_T_DRAFT,
@@ -71,14 +72,19 @@ from .layout import (
     LAMBDA,
     MAX_DRAFT,
     N_BINS,
+    N_RESUME,
     NO_BONUS,
+    OFFER_CONF,
+    OFFER_N,
     OPEN,
     POS0,
     POS_WIDTH,
     PREFIX,
     PROBE,
+    RESUME,
     RNG,
     RULE,
+    T_CATCHUP,
     USE_BINS,
     th0,
     vc0,
@@ -176,6 +182,37 @@ def _observe_ratio(state, at, prior_mean, accepted, predicted):
 
 
 @njit(cache=True)
+def plan_limit(state):
+    """Most tokens this round's plan counts on: MAX_DRAFT, or fewer when the drafter's free
+    proposals (OFFER_N, prompt lookup's continuation) are all it has."""
+    k = int(state[MAX_DRAFT])
+    n = int(state[OFFER_N])
+    return min(k, n) if n > 0 else k
+
+
+@njit(cache=True)
+def offer_ratio(state, sampled):
+    """Odds ratio of position 1 given the offer's confidence (the calibration bin of OFFER_CONF):
+    a lookup that matched a long n-gram is a safer bet than one that matched a single token.
+    1 when no confidence is known (OFFER_CONF outside (0, 1)) or bins are off."""
+    c = state[OFFER_CONF]
+    if state[USE_BINS] == 0.0 or c <= 0.0 or c >= 1.0:
+        return 1.0
+    b = BIN0 + BIN_WIDTH * conf_bin(c)
+    n = state[b] + state[b + 1]
+    theta = beta(state, RNG, state[b], state[b + 1]) if sampled else state[b] / n
+    return _odds(theta) / _odds(state[b + 2] / n)
+
+
+@njit(cache=True)
+def resume_cost(state):
+    """Seconds a draft model spends catching up on BEHIND tokens before its first draft: paid once
+    when it resumes drafting, so charged to the round that resumes, not to each drafted token."""
+    behind = state[BEHIND]
+    return behind * state[RESUME] if behind > 1.0 else 0.0
+
+
+@njit(cache=True)
 def ts_begin(state):
     k = int(state[MAX_DRAFT])
     state[PREFIX] = 1.0
@@ -183,12 +220,15 @@ def ts_begin(state):
     if state[RULE] != 0.0:
         state[PROBE] = 1.0 if uniform(state, RNG) < state[EPS] else 0.0
         return
+    kk = plan_limit(state)
     th = th0(k)
     ve = ve0(k)
     d = state[EMA_T_DRAFT]
     a1 = state[POS0]
     b1 = state[POS0 + 1]
-    state[LAMBDA] = _best_rate(state, _odds(beta(state, RNG, a1, b1)), th, ve, d, k)
+    resume = resume_cost(state)
+    odds_1 = _odds(beta(state, RNG, a1, b1)) * offer_ratio(state, True)
+    state[LAMBDA] = _best_rate(state, odds_1, th, ve, d, kk, resume)
     n1 = a1 + b1
     mean1 = a1 / n1
     v1 = state[ve]
@@ -197,24 +237,27 @@ def ts_begin(state):
     # from the tail of a posterior that only probes feed would buy costly long drafts instead.
     rate_0 = 1.0 / v1 if v1 > 0.0 else 0.0
     optimistic = mean1 + GATE_Z * math.sqrt(a1 * b1 / (n1 * n1 * (n1 + 1.0)))
-    state[OPEN] = 1.0 if _best_rate(state, _odds(optimistic), th + k, ve, d, k) > rate_0 else 0.0
+    ratio = offer_ratio(state, False)
+    state[OPEN] = 1.0 if _best_rate(state, _odds(optimistic) * ratio, th + k, ve, d, kk, resume) > rate_0 else 0.0
     chance = state[EPS]
     if state[OPEN] == 0.0 and state[BATCH_COSTS] != 0.0:
         # a one-token round verified without its bonus costs d + V(1) for exactly one token, with the
         # bonus d + V(2) for 1 + theta_1: the probe takes whichever wastes less, and probes take about
         # EPS of the time
-        extra = state[ve + 1] - v1 - mean1 * v1
+        p1 = _prob(_odds(mean1) * ratio)
+        extra = state[ve + 1] - v1 - p1 * v1
         if extra > 0.0:
             state[NO_BONUS] = 1.0
             extra = 0.0
-        waste = d + extra
+        waste = d + extra + resume
         chance = min(1.0, state[EPS] * v1 / waste) if waste > 0.0 else 1.0
     state[PROBE] = 1.0 if uniform(state, RNG) < chance else 0.0
 
 
 @njit(cache=True)
-def _best_rate(state, odds_1, out, ve, d, k):
-    """Write p_1..p_K for position-1 odds odds_1 to state[out:out+K]; return max_k E[N_k] / C_k.
+def _best_rate(state, odds_1, out, ve, d, k, resume):
+    """Write p_1..p_k for position-1 odds odds_1 to state[out:out+k]; return max_n E[N_n] / C_n
+    over n = 0..k (C_n: n draft steps, the verify of n + 1 tokens, and resuming when n > 0).
 
     lambda is the rate a round must beat per second spent; 0 while no cost is known.
     """
@@ -230,7 +273,7 @@ def _best_rate(state, odds_1, out, ve, d, k):
         if n > 0:
             p_all *= state[out + n - 1]
             gain += p_all
-        cost = d * n + state[ve + n]
+        cost = d * n + state[ve + n] + (resume if n > 0 else 0.0)
         if cost > 0.0:
             lam = max(lam, gain / cost)
     return lam
@@ -243,6 +286,9 @@ def ts_decide(state, step, confidence):
         return 0
     if state[RULE] != 0.0:
         return _paper_decide(state, step, confidence)
+    kk = plan_limit(state)
+    if step >= kk:
+        return 0
     if state[BATCH_COSTS] != 0.0 and state[vc0(k) + 1] == 0.0:
         return 0  # one plain decode first, to learn what a target token costs
     if state[OPEN] == 0.0:
@@ -252,7 +298,8 @@ def ts_decide(state, step, confidence):
     th = th0(k)
     if step > 0:
         p = state[th + step - 1]
-        if state[USE_BINS] != 0.0:
+        # a token's own confidence, unless the offer's confidence already conditioned the whole plan
+        if state[USE_BINS] != 0.0 and not 0.0 < state[OFFER_CONF] < 1.0:
             b = BIN0 + BIN_WIDTH * conf_bin(confidence)
             theta = beta(state, RNG, state[b], state[b + 1])
             p = _prob(_odds(p) * _odds(theta) / _odds(state[b + 2] / (state[b] + state[b + 1])))
@@ -261,12 +308,13 @@ def ts_decide(state, step, confidence):
     lam = state[LAMBDA]
     d = state[EMA_T_DRAFT]
     base = state[ve + step]
+    resume = resume_cost(state) if step == 0 else 0.0  # later steps: already paid this round
     gain = 0.0
     term = state[PREFIX]
-    for n in range(step + 1, k + 1):
+    for n in range(step + 1, kk + 1):
         term *= state[th + n - 1]
         gain += term
-        if gain > lam * (d * (n - step) + state[ve + n] - base):
+        if gain > lam * (d * (n - step) + state[ve + n] - base + resume):
             return 1
     return 0
 
@@ -302,6 +350,10 @@ def ts_update(state, confidences, n_accepted, t_verify):
         observe(state, POS0, 1.0, 1.0, state[FORGET], 1.0 if a > 0 else 0.0)
     else:  # theta_1's evidence ages by the round, seen or not, so a closed gate's estimate stays current
         discount(state, POS0, 1.0, 1.0, state[FORGET])
+    behind = state[BEHIND]
+    if n > 0 and behind > 1.0 and state[T_CATCHUP] > 0.0 and state[T_CATCHUP] < 1e30:
+        state[N_RESUME] += 1.0  # a draft model caught up before drafting: seconds per token of catching up
+        state[RESUME] = ema(state[RESUME], state[T_CATCHUP] / behind, state[N_RESUME])
     if t_verify > 0.0 and t_verify < 1e30:  # a missing or NaN timing must not poison the means
         b = n - 1 if state[NO_BONUS] != 0.0 and n > 0 else n  # the verify batch held n + 1 tokens, or n
         vc = vc0(k) + 2 * min(b, k)

@@ -1,8 +1,8 @@
 """Drafters: each a short module behind the protocol in :mod:`.base`.
 
 ``make_drafter`` turns the engine's configuration into a drafter and a one-line note
-saying which one runs and why (``auto`` picks eesd when an exit head is known for the
-model, else prompt lookup).
+saying which one runs and why (``auto`` holds prompt lookup and, when an exit head is known
+for the model or a draft model is given, that model drafter: the controller picks per round).
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import EesdError
 from ..registry import resolve_model
-from .base import Drafter, NoDrafter, Proposal
+from .auto import AutoDrafter
+from .base import Drafter, NoDrafter, Offer, Proposal
 from .lookup import LookupDrafter
 
 if TYPE_CHECKING:
@@ -19,7 +20,13 @@ if TYPE_CHECKING:
 
 DRAFTERS = ["auto", "none", "eesd", "lookup", "draft-model", "hierarchical"]
 
-__all__ = ["DRAFTERS", "Drafter", "NoDrafter", "Proposal", "LookupDrafter", "make_drafter"]
+__all__ = ["DRAFTERS", "AutoDrafter", "Drafter", "NoDrafter", "Offer", "Proposal", "LookupDrafter", "make_drafter",
+           "n_sources"]
+
+
+def n_sources(drafter: Any) -> int:
+    """How many sources the controller chooses between (1: it only sizes the drafts)."""
+    return int(getattr(drafter, "n_sources", 1))
 
 
 def _eesd_draft_path(config: Any, model: Model, required: bool) -> Any:
@@ -59,10 +66,15 @@ def make_drafter(config: Any, model: Model) -> tuple[Drafter, str]:
         raise EesdError(f"unknown drafter {kind!r}", hint=f"choose one of {', '.join(DRAFTERS)}")
     common = dict(n_ctx=config.n_ctx, n_gpu_layers=config.n_gpu_layers, n_threads=config.n_threads)
     if kind == "auto":
+        if config.draft_model:
+            path = resolve_model(config.draft_model)
+            inner = ModelDrafter(path, model, name="draft-model", **common)
+            return AutoDrafter(inner), f"drafter: auto (lookup or the draft model {path.name}, chosen per round)"
         draft = _eesd_draft_path(config, model, required=False)
         if draft is None:
-            return LookupDrafter(), "drafter: lookup (auto: no exit head is known for this model)"
-        return ModelDrafter(draft, model, name="eesd", **common), "drafter: eesd (auto: shipped exit head found)"
+            return AutoDrafter(), "drafter: auto (lookup; no exit head is known for this model)"
+        inner = ModelDrafter(draft, model, name="eesd", **common)
+        return AutoDrafter(inner), "drafter: auto (lookup or the exit head, chosen per round)"
     if kind == "none":
         return NoDrafter(), "drafter: none (plain decoding)"
     if kind == "lookup":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 
@@ -23,11 +23,25 @@ if TYPE_CHECKING:
 WantMore = Callable[[int, float], bool]
 
 
+# which source drafts a round, as the controller numbers them (controllers/layout.py SRC_*)
+SRC_ANY, SRC_NONE, SRC_LOOKUP, SRC_MODEL = -2, -1, 0, 1
+
+
+class Offer(NamedTuple):
+    """What a drafter knows before a round, at no cost: the controller plans with it."""
+
+    n: int = 0  # free proposals on offer (prompt lookup's continuation length)
+    confidence: float = 0.0  # their confidence (0: unknown)
+    behind: int = 0  # tokens a draft model would catch up on before its first draft
+
+
 @dataclass
 class Proposal:
     tokens: list[int] = field(default_factory=list)
     probs: list[np.ndarray | None] = field(default_factory=list)  # q per token; None = point mass (deterministic)
     confidences: list[float] = field(default_factory=list)  # q(d) of each drafted token
+    source: str = ""  # the source that drafted them ("lookup", "eesd", ...)
+    t_catchup: float = 0.0  # seconds a draft model spent catching up before drafting (part of the draft time)
 
     def add(self, token: int, q: np.ndarray | None, confidence: float) -> None:
         self.tokens.append(token)
@@ -41,12 +55,14 @@ class Proposal:
 @dataclass(frozen=True)
 class NativeSpec:
     """How the native round loop drafts what :meth:`Drafter.propose` would: with ``draft_ctx``
-    token by token (its guesses, if any, from ``lookup``), else from ``lookup`` alone, else nothing.
+    token by token (its guesses, if any, from ``lookup``), else from ``lookup`` alone, else nothing;
+    with ``choose``, each round from the source the controller picks.
     The C++ side has one propose function per form; a drafter without a native form runs in
     the Python loop."""
 
     draft_ctx: Context | None = None  # a llama.cpp context drafting token by token
     lookup: tuple[int, int] | None = None  # (ngram_min, ngram_max) of a prompt lookup over the history
+    choose: bool = False  # the controller picks the source each round: lookup alone, or draft_ctx alone
 
 
 class Drafter(Protocol):
@@ -55,9 +71,13 @@ class Drafter(Protocol):
     def begin(self, prompt: list[int]) -> None:
         """A new request whose history starts with ``prompt``."""
 
+    def offer(self, history: list[int], max_n: int) -> Offer:
+        """What this round could have for free, before the controller begins it."""
+
     def propose(self, history: list[int], want_more: WantMore, max_n: int, params: SamplingParams,
-                rng: Uniform) -> Proposal:
-        """Up to ``max_n`` tokens continuing ``history`` (which ends with the last emitted token)."""
+                rng: Uniform, source: int = SRC_ANY) -> Proposal:
+        """Up to ``max_n`` tokens continuing ``history`` (which ends with the last emitted token),
+        from ``source`` when the controller chose one (a drafter with one source ignores it)."""
 
     def native(self) -> NativeSpec | None:
         """The native loop's form of this drafter, or None to run it in the Python loop."""
@@ -74,8 +94,11 @@ class NoDrafter:
     def begin(self, prompt: list[int]) -> None:
         pass
 
+    def offer(self, history: list[int], max_n: int) -> Offer:
+        return Offer()
+
     def propose(self, history: list[int], want_more: WantMore, max_n: int, params: SamplingParams,
-                rng: Uniform) -> Proposal:
+                rng: Uniform, source: int = SRC_ANY) -> Proposal:
         return Proposal()
 
     def native(self) -> NativeSpec:

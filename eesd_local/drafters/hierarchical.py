@@ -10,7 +10,7 @@ target's verification stays exact.
 from __future__ import annotations
 
 from ..sampling import SamplingParams, Uniform
-from .base import NativeSpec, Proposal, WantMore
+from .base import SRC_ANY, NativeSpec, Offer, Proposal, WantMore
 from .lookup import LookupDrafter
 from .model import ModelDrafter
 
@@ -27,10 +27,15 @@ class HierarchicalDrafter:
         self.lookup.begin(prompt)
         self.inner.begin(prompt)
 
+    def offer(self, history: list[int], max_n: int) -> Offer:
+        return Offer(behind=self.inner.behind(history))  # the lookup's guesses are not free proposals: the model checks them
+
     def propose(self, history: list[int], want_more: WantMore, max_n: int, params: SamplingParams,
-                rng: Uniform) -> Proposal:
+                rng: Uniform, source: int = SRC_ANY) -> Proposal:
         guesses, _ = self.lookup.lookup(history, max_n)
-        return self.inner.propose(history, want_more, max_n, params, rng, guess=guesses)
+        prop = self.inner.propose(history, want_more, max_n, params, rng, guess=guesses)
+        prop.source = self.name
+        return prop
 
     def native(self) -> NativeSpec:
         return NativeSpec(draft_ctx=self.inner.ctx, lookup=(self.lookup.ngram_min, self.lookup.ngram_max))

@@ -5,7 +5,13 @@ the answer copies its input (edits, code rewrites)."""
 from __future__ import annotations
 
 from ..sampling import SamplingParams, Uniform
-from .base import NativeSpec, Proposal, WantMore
+from .base import SRC_ANY, NativeSpec, Offer, Proposal, WantMore
+
+
+def match_confidence(n: int, ngram_max: int) -> float:
+    """A matched n-gram's confidence, strictly inside (0, 1) so that the controller can tell it
+    from "unknown": a longer match is a safer bet. The native loop uses the same rule."""
+    return n / (ngram_max + 1.0)
 
 
 class LookupDrafter:
@@ -46,13 +52,19 @@ class LookupDrafter:
                 return history[e + 1 : e + 1 + max_n], n
         return [], 0
 
+    def offer(self, history: list[int], max_n: int) -> Offer:
+        cont, n = self.lookup(history, max_n)
+        return Offer(len(cont), match_confidence(n, self.ngram_max) if cont else 0.0)
+
     def propose(self, history: list[int], want_more: WantMore, max_n: int, params: SamplingParams,
-                rng: Uniform) -> Proposal:
-        prop = Proposal()
-        if max_n <= 0 or not want_more(0, 1.0):
+                rng: Uniform, source: int = SRC_ANY) -> Proposal:
+        prop = Proposal(source=self.name)
+        if max_n <= 0:
             return prop
         cont, n = self.lookup(history, max_n)
-        confidence = n / self.ngram_max  # a longer matched n-gram is a safer bet
+        if not cont or not want_more(0, 1.0):
+            return prop
+        confidence = match_confidence(n, self.ngram_max)
         for i, tok in enumerate(cont):
             if i and not want_more(i, confidence):
                 break

@@ -9,6 +9,7 @@ nothing here.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import numpy as np
 from ..errors import EesdError
 from ..runtime import Context, ContextParams, Model, common_prefix
 from ..sampling import SamplingParams, Uniform, probs, sample
-from .base import NativeSpec, Proposal, WantMore
+from .base import SRC_ANY, NativeSpec, Offer, Proposal, WantMore
 
 
 def check_same_vocab(target: Model, draft: Model, what: str) -> None:
@@ -73,9 +74,16 @@ class ModelDrafter:
         if n0 < len(prompt) - 1:
             ctx.decode(prompt[n0:-1])
 
+    def behind(self, history: list[int]) -> int:
+        """Tokens of ``history`` the draft context lacks, but the last one (which every draft step feeds)."""
+        return len(history) - 1 - min(common_prefix(self.ctx.tokens, history), len(history) - 1)
+
+    def offer(self, history: list[int], max_n: int) -> Offer:
+        return Offer(behind=self.behind(history))
+
     def propose(self, history: list[int], want_more: WantMore, max_n: int, params: SamplingParams,
-                rng: Uniform, guess: Sequence[int] = ()) -> Proposal:
-        prop = Proposal()
+                rng: Uniform, source: int = SRC_ANY, guess: Sequence[int] = ()) -> Proposal:
+        prop = Proposal(source=self.name)
         if max_n <= 0 or not want_more(0, 1.0):
             return prop
         ctx = self.ctx
@@ -85,6 +93,11 @@ class ModelDrafter:
         guesses = list(guess[: max(0, min(max_n, ctx.room() - len(feed)))])
         if len(feed) + len(guesses) > ctx.room():
             return prop
+        if len(feed) > 1:  # catching up on tokens emitted while it did not draft: timed apart (charged to resuming)
+            t0 = time.perf_counter()
+            ctx.decode(feed[:-1], n_logits=0)
+            prop.t_catchup = time.perf_counter() - t0
+            feed = feed[-1:]
         ctx.decode(feed + guesses, n_logits=len(guesses) + 1)
         rows: list[np.ndarray] = list(ctx.logits_rows()) if guesses else [ctx.logits()]
         while True:

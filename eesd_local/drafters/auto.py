@@ -1,0 +1,60 @@
+"""``auto``: several sources behind one drafter; the controller picks one per round.
+
+Prompt lookup (free proposals: n-grams of the history) and, when one is known, a model
+drafter (the exit head's early-exit draft, or a separate draft model). Before each round the
+drafter says what lookup found (:meth:`offer`: how many tokens, how long a match) and how
+far the model is behind; a multi-source controller (controllers/multi.py) decides which source
+drafts and how many tokens, or none, from each source's own measured acceptance and cost.
+A baseline controller (fixed:K, pmin, heuristic) does not choose: then lookup drafts when it
+has a match, else the model.
+"""
+
+from __future__ import annotations
+
+from ..sampling import SamplingParams, Uniform
+from .base import SRC_ANY, SRC_LOOKUP, SRC_MODEL, NativeSpec, Offer, Proposal, WantMore
+from .lookup import LookupDrafter
+from .model import ModelDrafter
+
+
+class AutoDrafter:
+    def __init__(self, model: ModelDrafter | None = None, lookup: LookupDrafter | None = None) -> None:
+        self.lookup = lookup or LookupDrafter()
+        self.model = model
+        self.n_sources = 2 if model is not None else 1
+        self.name = f"auto({self.lookup.name}+{model.name})" if model is not None else f"auto({self.lookup.name})"
+        self._offer = Offer()
+
+    def begin(self, prompt: list[int]) -> None:
+        self.lookup.begin(prompt)
+        if self.model is not None:
+            self.model.begin(prompt)
+
+    def offer(self, history: list[int], max_n: int) -> Offer:
+        o = self.lookup.offer(history, max_n)
+        behind = self.model.behind(history) if self.model is not None else 0
+        self._offer = Offer(o.n, o.confidence, behind)
+        return self._offer
+
+    def propose(self, history: list[int], want_more: WantMore, max_n: int, params: SamplingParams,
+                rng: Uniform, source: int = SRC_ANY) -> Proposal:
+        if source == SRC_ANY:  # the controller does not choose: lookup when it found something
+            source = SRC_LOOKUP if self._offer.n > 0 or self.model is None else SRC_MODEL
+        if source == SRC_LOOKUP:
+            return self.lookup.propose(history, want_more, max_n, params, rng)
+        if source == SRC_MODEL and self.model is not None:
+            return self.model.propose(history, want_more, max_n, params, rng)
+        return Proposal()
+
+    def native(self) -> NativeSpec:
+        lookup = (self.lookup.ngram_min, self.lookup.ngram_max)
+        return NativeSpec(draft_ctx=self.model.ctx if self.model is not None else None, lookup=lookup, choose=True)
+
+    def source_name(self, source: int) -> str:
+        if source == SRC_LOOKUP:
+            return self.lookup.name
+        return self.model.name if source == SRC_MODEL and self.model is not None else ""
+
+    def close(self) -> None:
+        if self.model is not None:
+            self.model.close()
