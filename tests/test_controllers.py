@@ -196,3 +196,92 @@ def test_a_decision_costs_under_two_microseconds_compiled():
         print(f"{spec}: {c['decide_ns']:.0f} ns per draft_more compiled, {c['round_ns']:.0f} ns per round "
               f"({c['decisions_per_round']:.1f} decisions), {c['python_call_ns']:.0f} ns per call from Python")
         assert c["decide_ns"] < 2000, c
+
+
+# --- several sources: which one drafts each round ---------------------------------------------
+
+
+def play_sources(ctrl, rounds: int, *, lookup_offer: float, lookup_accept: float, model_accept: float, model_cost: float,
+                 verify_slope: float, lookup_match: int = 4, seed: int = 3, t_token: float = 0.02) -> list[tuple[int, int]]:
+    """Rounds of a two-source drafter with made-up but deterministic costs: prompt lookup (free;
+    offers 8 tokens in a share ``lookup_offer`` of rounds) and a model drafter (``model_cost`` of a
+    target token per draft, 5 tokens behind when it resumes); verifying b tokens costs
+    1 + verify_slope (b - 1) target tokens. Returns (source, drafted) per round."""
+    from eesd_local.controllers import layout as L
+
+    rng = np.random.default_rng(seed)
+    out = []
+    idle = 0
+    for _ in range(rounds):
+        offer = 8 if rng.random() < lookup_offer else 0
+        ctrl.begin_round(offer, lookup_match / 5.0 if offer else 0.0, idle if idle > 1 else 0)
+        src = ctrl.source()
+        k = 0
+        conf = 1.0
+        while k < (offer if src == L.SRC_LOOKUP else 8) and src in (L.SRC_LOOKUP, L.SRC_MODEL) and ctrl.draft_more(k, conf):
+            k += 1
+            conf = lookup_match / 5.0 if src == L.SRC_LOOKUP else float(rng.uniform(0.2, 0.9))
+        accept = lookup_accept if src == L.SRC_LOOKUP else model_accept
+        m = 0
+        while m < k and rng.random() < accept:
+            m += 1
+        b = k if ctrl.no_bonus() and k else k + 1
+        t_catchup = 0.5 * t_token * idle if src == L.SRC_MODEL and k and idle > 1 else 0.0
+        t_draft = (model_cost * t_token * k if src == L.SRC_MODEL else 1e-5) + t_catchup
+        ctrl.end_round(np.full(k, conf), m, t_draft, t_token * (1.0 + verify_slope * (b - 1)), t_catchup)
+        idle = 0 if src == L.SRC_MODEL and k else idle + m + 1
+        out.append((src if k else L.SRC_NONE, k))
+    return out
+
+
+def _share(rounds, src) -> float:
+    return sum(1 for s, _ in rounds if s == src) / len(rounds)
+
+
+def test_several_sources_lookup_drafts_where_it_pays_the_model_where_it_pays():
+    from eesd_local.controllers import layout as L
+
+    # a CPU: batches cost (slope 0.45), the model's drafts cost 0.35 each and are rarely right, lookup's are free and right
+    ctrl = make_controller("cost-ts", sources=2, seed=1)
+    cpu = play_sources(ctrl, 600, lookup_offer=0.9, lookup_accept=0.9, model_accept=0.3, model_cost=0.35, verify_slope=0.45)
+    late = cpu[300:]
+    assert _share(late, L.SRC_LOOKUP) > 0.6, "lookup should draft most rounds where it is free and right"
+    assert _share(late, L.SRC_MODEL) < 0.05, "a costly, rarely right model should only probe"
+    assert ctrl.belief()["lookup_theta_1"] > 0.7
+    # a GPU: batches are flat, the model is cheap and right, lookup has nothing to offer
+    ctrl = make_controller("cost-ts", sources=2, seed=1)
+    gpu = play_sources(ctrl, 600, lookup_offer=0.0, lookup_accept=0.0, model_accept=0.85, model_cost=0.05, verify_slope=0.02)
+    late = gpu[300:]
+    assert _share(late, L.SRC_MODEL) > 0.8
+    assert np.mean([k for s, k in late if s == L.SRC_MODEL]) > 2.0, "a cheap, right model should draft several tokens"
+    # prose on a CPU: neither pays, so nearly every round is plain decoding or a free one-token lookup probe
+    ctrl = make_controller("cost-ts", sources=2, seed=1)
+    prose = play_sources(ctrl, 600, lookup_offer=0.5, lookup_accept=0.1, model_accept=0.2, model_cost=0.35, verify_slope=0.45,
+                         lookup_match=1)
+    late = prose[300:]
+    assert sum(1 for _, k in late if k > 1) <= 6, "long drafts where nothing pays"
+    assert _share(late, L.SRC_MODEL) <= 0.05
+
+
+def test_several_sources_follow_a_switch_from_copying_to_prose():
+    """One controller over a copy-heavy stretch (long lookup matches, accepted) then prose (short
+    matches, rejected): the long lookup drafts stop within a few rounds of the switch, because the
+    plan is conditioned on the match length, not only on the last hundred rounds."""
+    ctrl = make_controller("cost-ts", sources=2, seed=2)
+    copy = play_sources(ctrl, 200, lookup_offer=1.0, lookup_accept=0.95, model_accept=0.3, model_cost=0.35, verify_slope=0.45)
+    assert np.mean([k for _, k in copy[100:]]) > 3.0
+    prose = play_sources(ctrl, 60, lookup_offer=0.6, lookup_accept=0.1, model_accept=0.2, model_cost=0.35, verify_slope=0.45,
+                         lookup_match=1, seed=4)
+    assert sum(1 for _, k in prose[10:] if k > 1) <= 2, "drafting went on long after the switch"
+
+
+def test_several_sources_spec_and_baselines():
+    from eesd_local.controllers import layout as L
+
+    with pytest.raises(EesdError, match="sources"):
+        make_controller("cost-ts", sources=3)
+    ctrl = make_controller("fixed:3", sources=2)  # a baseline rule does not choose: the drafter takes its default
+    ctrl.begin_round(4, 0.5, 0)
+    assert ctrl.source() == L.SRC_ANY
+    multi = make_controller("cost-ts", sources=2)
+    assert multi.name == "cost-ts" and multi.belief()["lookup_rounds"] == 0.0

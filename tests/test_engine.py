@@ -172,9 +172,15 @@ def test_openai_shaped_api(plain):
 
 def test_auto_tells_which_drafter_runs(qwen05_path):
     with eesd_local.load(QWEN05, n_ctx=512) as eng:
-        expected = "eesd" if heads.find_head(qwen05_path) else "lookup"
-        assert eng.drafter.name == expected
-        assert expected in eng.drafter_note
+        head = heads.find_head(qwen05_path)
+        assert eng.drafter.name == ("auto(lookup+eesd)" if head else "auto(lookup)")
+        assert ("exit head, chosen per round" if head else "no exit head is known") in eng.drafter_note
+        # with a head, the controller chooses between two sources; without one it sizes lookup's drafts
+        assert eng.controller.state[0] == (5 if head else 4)
+        eng.set_drafter("lookup")  # one source: the controller is rebuilt for it
+        assert eng.controller.state[0] == 4 and eng.drafter.name == "lookup"
+        eng.set_drafter("auto")
+        assert eng.controller.state[0] == (5 if head else 4)
 
 
 def test_speculative_sampling_is_seeded(plain):
