@@ -175,6 +175,7 @@ class Engine:
             ctx.decode(prompt[keep:])
             first = self._pick(ctx.logits(), params, rng)
             drafter.begin(prompt)
+            ctl.begin_request()
             rounds, self.loop_note = native_round.open_loop(ctx, drafter, ctl, params, rng, draft_max=self.config.draft_max,
                                                             batch_s=self.config.batch_ms / 1000.0)
             self._live = rounds

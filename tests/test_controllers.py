@@ -285,3 +285,24 @@ def test_several_sources_spec_and_baselines():
     assert ctrl.source() == L.SRC_ANY
     multi = make_controller("cost-ts", sources=2)
     assert multi.name == "cost-ts" and multi.belief()["lookup_rounds"] == 0.0
+
+
+def test_a_new_request_probes_before_it_drafts_long():
+    """Acceptance is the request's own: after a copy-heavy request the next one starts with
+    one-token probes (free for lookup), and its theta_1 keeps only a few observations of the old
+    requests, so a few rounds of the new one move it; the machine's costs are kept."""
+    from eesd_local.controllers import layout as L
+
+    ctrl = make_controller("cost-ts", sources=2, seed=5)
+    play_sources(ctrl, 200, lookup_offer=1.0, lookup_accept=0.95, model_accept=0.3, model_cost=0.35, verify_slope=0.45)
+    lookup = ctrl.state[L.MULTI_HEAD : L.MULTI_HEAD + int(L.thompson_size(ctrl.max_draft))]
+    costs = lookup[L.vc0(ctrl.max_draft) : L.ve0(ctrl.max_draft)].copy()
+    ctrl.begin_request()
+    a, b = lookup[L.POS0], lookup[L.POS0 + 1]
+    assert a + b <= 2.0 + 4.0 + 1e-9 and a / (a + b) > 0.7  # thinned to a few observations, same side
+    assert np.array_equal(lookup[L.vc0(ctrl.max_draft) : L.ve0(ctrl.max_draft)], costs)
+    first = play_sources(ctrl, 2, lookup_offer=1.0, lookup_accept=0.0, model_accept=0.3, model_cost=0.35, verify_slope=0.45)
+    assert [k for _, k in first] == [1, 1], "a new request drafts long before it saw any of its own rounds"
+    later = play_sources(ctrl, 30, lookup_offer=1.0, lookup_accept=0.0, model_accept=0.3, model_cost=0.35, verify_slope=0.45,
+                         seed=9)
+    assert sum(k for _, k in later) <= 40, "rejections in the new request did not close the gate quickly"

@@ -27,7 +27,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, positional_model: bool = Fals
     else:
         p.add_argument("--model", "-m", default=DEFAULT_MODEL, help=model_help)
     p.add_argument("--drafter", default=_DEFAULT.drafter, choices=DRAFTERS,
-                   help="how drafts are made (default auto: eesd if a head is known, else lookup)")
+                   help="how drafts are made (default auto: prompt lookup, the exit head when one is known, or nothing, "
+                        "chosen each round by the controller)")
     p.add_argument("--head", help="exit-head GGUF path for the eesd drafter (default: the shipped head for the model)")
     p.add_argument("--draft-model", help="registry name or GGUF of a separate draft model (same vocabulary)")
     p.add_argument("--controller", default=None,

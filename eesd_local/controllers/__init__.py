@@ -26,7 +26,7 @@ _install_jit_cache()  # before any kernel module compiles: see jitcache.py
 
 from . import layout as L  # noqa: E402
 from .baselines import HEURISTIC_START  # noqa: E402
-from .kernels import controller_begin, controller_decide, controller_update  # noqa: E402
+from .kernels import controller_begin, controller_decide, controller_new_request, controller_update  # noqa: E402
 from .rng import seed_words  # noqa: E402
 from .thompson import BIN_PRIOR, bin_prior_mean  # noqa: E402
 
@@ -55,6 +55,10 @@ class Controller:
         self.name = name
         self.max_draft = int(state[L.MAX_DRAFT])
         self.state = state
+
+    def begin_request(self) -> None:
+        """A new request: acceptance evidence from earlier ones is thinned (thompson.ts_new_request)."""
+        controller_new_request(self.state)
 
     def begin_round(self, offer: int = 0, confidence: float = 0.0, behind: int = 0) -> None:
         """A round starts. What the loop knows before it: ``offer`` free proposals (prompt lookup's
@@ -208,6 +212,7 @@ def make_controller(spec: str, *, max_draft: int = DRAFT_MAX, seed: int = 0, eps
         state[L.EPS] = eps
         state[L.FORGET] = forget
         state[L.POS0 : L.vc0(max_draft)] = 1.0  # Beta(1, 1) at position 1; odds ratio 1 (r = alpha) deeper
+        state[L.REQ_SEEN] = 1e9  # no request warm-up until a request begins (begin_request)
         for j in range(L.N_BINS):
             m = bin_prior_mean(j)
             b = L.BIN0 + L.BIN_WIDTH * j

@@ -15,9 +15,9 @@ from numba import njit
 
 from .baselines import fixed_decide, heuristic_decide, heuristic_update, pmin_decide
 from .common import update_header
-from .layout import FIXED, HEURISTIC, KIND, MULTI, PMIN, THOMPSON
-from .multi import multi_begin, multi_decide, multi_update
-from .thompson import ts_begin, ts_decide, ts_update
+from .layout import FIXED, HEURISTIC, KIND, MULTI, PMIN, RULE, THOMPSON
+from .multi import multi_begin, multi_decide, multi_new_request, multi_update
+from .thompson import ts_begin, ts_decide, ts_new_request, ts_update
 
 
 @njit(cache=True)
@@ -54,3 +54,12 @@ def controller_update(state, confidences, n_accepted, t_draft, t_verify):
         multi_update(state, confidences, n_accepted, t_draft, t_verify)
     elif kind == HEURISTIC:
         heuristic_update(state, confidences, n_accepted)
+
+
+@njit(cache=True)
+def controller_new_request(state):
+    """A new request begins (called from Python, between generations)."""
+    if state[KIND] == THOMPSON and state[RULE] == 0.0:
+        ts_new_request(state)
+    elif state[KIND] == MULTI:
+        multi_new_request(state)

@@ -47,7 +47,7 @@ from .layout import (
     thompson_size,
     vc0,
 )
-from .thompson import refresh_verify_estimates, ts_begin, ts_decide, ts_update
+from .thompson import refresh_verify_estimates, ts_begin, ts_decide, ts_new_request, ts_update
 
 
 @njit(cache=True)
@@ -119,3 +119,9 @@ def multi_update(state, confidences, n_accepted, t_draft, t_verify):
             sub[vc + 1] += 1.0
             sub[vc] = ema(sub[vc], t_verify, sub[vc + 1])
             refresh_verify_estimates(sub)
+
+
+@njit(cache=True)
+def multi_new_request(state):
+    for s in range(int(state[N_SRC])):
+        ts_new_request(source_state(state, s))

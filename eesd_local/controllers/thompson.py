@@ -81,6 +81,7 @@ from .layout import (
     POS_WIDTH,
     PREFIX,
     PROBE,
+    REQ_SEEN,
     RESUME,
     RNG,
     RULE,
@@ -97,6 +98,8 @@ RATIO_FORGET = 0.995  # odds ratios (deeper positions, bins) keep ~200 observati
 LINE_PRIOR = 3.0  # pseudo-samples of the fitted verify-time line behind each batch size's own mean
 GATE_Z = 0.5  # how optimistic the "does any k pay?" gate is, in posterior sds of theta_1
 THETA_CLAMP = 1e-9  # keeps odds finite when a sampled theta rounds to 0 or 1
+REQUEST_EVIDENCE = 4.0  # observations of theta_1 a new request starts with (ts_new_request)
+REQUEST_PROBES = 2  # a new request's gate stays closed until this many of its rounds were verified
 
 
 @njit(cache=True)
@@ -239,6 +242,9 @@ def ts_begin(state):
     optimistic = mean1 + GATE_Z * math.sqrt(a1 * b1 / (n1 * n1 * (n1 + 1.0)))
     ratio = offer_ratio(state, False)
     state[OPEN] = 1.0 if _best_rate(state, _odds(optimistic) * ratio, th + k, ve, d, kk, resume) > rate_0 else 0.0
+    warm_up = state[OPEN] != 0.0 and state[REQ_SEEN] < REQUEST_PROBES
+    if warm_up:
+        state[OPEN] = 0.0  # a new request probes before it drafts more (its acceptance is its own): see below
     chance = state[EPS]
     if state[OPEN] == 0.0 and state[BATCH_COSTS] != 0.0:
         # a one-token round verified without its bonus costs d + V(1) for exactly one token, with the
@@ -252,6 +258,8 @@ def ts_begin(state):
         waste = d + extra + resume
         chance = min(1.0, state[EPS] * v1 / waste) if waste > 0.0 else 1.0
     state[PROBE] = 1.0 if uniform(state, RNG) < chance else 0.0
+    if warm_up:
+        state[PROBE] = 1.0
 
 
 @njit(cache=True)
@@ -348,6 +356,7 @@ def ts_update(state, confidences, n_accepted, t_verify):
         odds_prev = odds_i
     if n > 0:
         observe(state, POS0, 1.0, 1.0, state[FORGET], 1.0 if a > 0 else 0.0)
+        state[REQ_SEEN] += 1.0
     else:  # theta_1's evidence ages by the round, seen or not, so a closed gate's estimate stays current
         discount(state, POS0, 1.0, 1.0, state[FORGET])
     behind = state[BEHIND]
@@ -360,3 +369,32 @@ def ts_update(state, confidences, n_accepted, t_verify):
         state[vc + 1] += 1.0
         state[vc] = ema(state[vc], t_verify, state[vc + 1])
     refresh_verify_estimates(state)
+
+
+@njit(cache=True)
+def ts_new_request(state):
+    """A new request: how often theta_1's drafts are accepted depends on the request (a rewrite
+    copies its input, an essay does not), so its evidence from earlier requests is thinned to
+    REQUEST_EVIDENCE observations around the same mean. The first rounds of the new request then
+    move it within a few rounds, where ~100 rounds of old evidence would hold it for tens. What
+    the machine costs (verify times, draft times) and how the drafter's confidence relates to
+    acceptance are kept: they do not change with the request."""
+    state[REQ_SEEN] = 0.0
+    a = state[POS0] - 1.0
+    b = state[POS0 + 1] - 1.0
+    n = a + b
+    if n > REQUEST_EVIDENCE:
+        w = REQUEST_EVIDENCE / n
+        state[POS0] = 1.0 + w * a
+        state[POS0 + 1] = 1.0 + w * b
+    # how far a draft runs on once its first token is right is the request's too (a copied block
+    # runs on, prose does not): each deeper position's odds-ratio evidence is thinned alike
+    a0 = BIN_PRIOR * 0.5
+    for i in range(1, int(state[MAX_DRAFT])):
+        at = POS0 + POS_WIDTH * i
+        n = state[at] + state[at + 1] - BIN_PRIOR
+        if n > REQUEST_EVIDENCE:
+            w = REQUEST_EVIDENCE / n
+            state[at] = a0 + w * (state[at] - a0)
+            state[at + 1] = a0 + w * (state[at + 1] - a0)
+            state[at + 2] = a0 + w * (state[at + 2] - a0)
