@@ -26,9 +26,9 @@ class AutoDrafter:
         self._offer = Offer()
 
     def begin(self, prompt: list[int]) -> None:
+        # the model drafter is not fed the prompt here: it catches up when the controller first picks it,
+        # and that catch-up is charged to resuming it (so where it never pays, it costs no prefill)
         self.lookup.begin(prompt)
-        if self.model is not None:
-            self.model.begin(prompt)
 
     def offer(self, history: list[int], max_n: int) -> Offer:
         o = self.lookup.offer(history, max_n)
