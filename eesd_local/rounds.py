@@ -15,7 +15,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from .drafters.base import Drafter
+from .drafters.base import Drafter, Offer
 from .runtime import Context
 from .sampling import SamplingParams, Uniform, verify_greedy, verify_sampled
 
@@ -91,6 +91,8 @@ class PythonRounds:
     def __init__(self, ctx: Context, drafter: Drafter, controller: Controller, params: SamplingParams,
                  rng: Uniform) -> None:
         self.ctx, self.drafter, self.ctl, self.params, self.rng = ctx, drafter, controller, params, rng
+        self._offer = getattr(drafter, "offer", None)
+        self._choose = int(getattr(drafter, "n_sources", 1)) > 1
 
     def room(self) -> int:
         return self.ctx.room()
@@ -98,9 +100,13 @@ class PythonRounds:
     def run(self, history: list[int], max_n: int, left: int) -> RoundResult:
         ctx, ctl, params = self.ctx, self.ctl, self.params
         t1 = time.perf_counter()
-        offer = self.drafter.offer(history, max_n)  # what is free to know before the round: lookup's match, catch-up
+        # what is free to know before the round (lookup's match, a model's catch-up); optional for a drafter
+        offer = self._offer(history, max_n) if self._offer is not None else Offer()
         ctl.begin_round(offer.n, offer.confidence, offer.behind)
-        prop = self.drafter.propose(history, ctl.draft_more, max_n, params, self.rng, ctl.source())
+        if self._choose:  # the controller picked the source
+            prop = self.drafter.propose(history, ctl.draft_more, max_n, params, self.rng, source=ctl.source())  # type: ignore[call-arg]
+        else:
+            prop = self.drafter.propose(history, ctl.draft_more, max_n, params, self.rng)
         t2 = time.perf_counter()
         k = len(prop)
         # a probe verifies its drafts without the bonus: [last, d1..d(k-1)], k rows (plain decoding when k = 1)
@@ -114,8 +120,8 @@ class PythonRounds:
             m, nxt = verify_sampled(ctx.logits_rows(), prop.tokens, prop.probs, params, self.rng, bonus)
         ctx.trim(n_keep + min(m, n_rows - 1))  # ... and the accepted drafts it decoded; the rest is rolled back
         t3 = time.perf_counter()
-        ctl.end_round(np.asarray(prop.confidences, dtype=np.float64), m, t2 - t1, t3 - t2, prop.t_catchup)
-        return RoundResult(prop.tokens, m, nxt, t2 - t1, t3 - t2, prop.source if k else "")
+        ctl.end_round(np.asarray(prop.confidences, dtype=np.float64), m, t2 - t1, t3 - t2, getattr(prop, "t_catchup", 0.0))
+        return RoundResult(prop.tokens, m, nxt, t2 - t1, t3 - t2, (getattr(prop, "source", "") or self.drafter.name) if k else "")
 
     def belief(self) -> dict[str, float]:
         return self.ctl.belief()

@@ -71,13 +71,12 @@ class Drafter(Protocol):
     def begin(self, prompt: list[int]) -> None:
         """A new request whose history starts with ``prompt``."""
 
-    def offer(self, history: list[int], max_n: int) -> Offer:
-        """What this round could have for free, before the controller begins it."""
-
     def propose(self, history: list[int], want_more: WantMore, max_n: int, params: SamplingParams,
-                rng: Uniform, source: int = SRC_ANY) -> Proposal:
-        """Up to ``max_n`` tokens continuing ``history`` (which ends with the last emitted token),
-        from ``source`` when the controller chose one (a drafter with one source ignores it)."""
+                rng: Uniform) -> Proposal:
+        """Up to ``max_n`` tokens continuing ``history`` (which ends with the last emitted token).
+        Optional: ``offer(history, max_n) -> Offer``, what a round could have for free before the
+        controller begins it; a drafter with ``n_sources`` > 1 also takes ``source=`` (the one the
+        controller picked: SRC_LOOKUP, SRC_MODEL, SRC_NONE, or SRC_ANY)."""
 
     def native(self) -> NativeSpec | None:
         """The native loop's form of this drafter, or None to run it in the Python loop."""
