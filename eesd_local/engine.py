@@ -173,9 +173,13 @@ class Engine:
             keep = min(common_prefix(ctx.tokens, prompt), len(prompt) - 1)
             ctx.trim(keep)
             ctx.decode(prompt[keep:])
+            t_fed, n_fed = time.perf_counter() - t0, len(prompt) - keep
             first = self._pick(ctx.logits(), params, rng)
             drafter.begin(prompt)
             ctl.begin_request()
+            share = getattr(drafter, "weight_share", 0.0)  # a model drafter's weights over the target's
+            if share and n_fed >= 16 and hasattr(ctl, "prime_resume"):
+                ctl.prime_resume(share * t_fed / n_fed)  # until measured: catching up ~ its share of a prefill
             rounds, self.loop_note = native_round.open_loop(ctx, drafter, ctl, params, rng, draft_max=self.config.draft_max,
                                                             batch_s=self.config.batch_ms / 1000.0)
             self._live = rounds

@@ -306,3 +306,24 @@ def test_a_new_request_probes_before_it_drafts_long():
     later = play_sources(ctrl, 30, lookup_offer=1.0, lookup_accept=0.0, model_accept=0.3, model_cost=0.35, verify_slope=0.45,
                          seed=9)
     assert sum(k for _, k in later) <= 40, "rejections in the new request did not close the gate quickly"
+
+
+def test_a_model_far_behind_is_not_probed_as_if_catching_up_were_free():
+    """Catching a draft model up costs before it was ever measured (prime_resume: the engine's
+    guess from the prefill): a model 400 tokens behind is then probed far less often than one
+    whose catch-up is taken as free."""
+    from eesd_local.controllers import layout as L
+
+    def model_picks(prime: float) -> int:
+        ctrl = make_controller("cost-ts", sources=2, seed=3)  # the model's draft cost is not known yet
+        ctrl.prime_resume(prime)
+        n = 0
+        for _ in range(400):
+            ctrl.begin_round(0, 0.0, 400)
+            n += ctrl.source() == L.SRC_MODEL
+            ctrl.end_round(np.zeros(0), 0, 0.0, 0.02)  # the round drafted nothing: only the target's cost is learned
+        return n
+
+    free, priced = model_picks(0.0), model_picks(0.005)
+    assert free > 50, "an unmeasured model whose catch-up is taken as free should be tried"
+    assert priced <= 5, f"a model 400 tokens behind at 5 ms a token was picked {priced} times in 400 rounds"

@@ -60,6 +60,16 @@ class Controller:
         """A new request: acceptance evidence from earlier ones is thinned (thompson.ts_new_request)."""
         controller_new_request(self.state)
 
+    def prime_resume(self, seconds_per_token: float) -> None:
+        """A first guess of what catching a draft model up costs per token, until it has been
+        measured (the engine takes the target's prefill time per token times the draft's share of
+        the weights): so the first probe of a model far behind is not taken as free."""
+        s = self.state
+        states = [_source_state(s, i) for i in range(int(s[L.N_SRC]))] if s[L.KIND] == L.MULTI else [s]
+        for st in states:
+            if st[L.KIND] == L.THOMPSON and st[L.N_RESUME] == 0.0 and seconds_per_token > 0.0:
+                st[L.RESUME] = seconds_per_token
+
     def begin_round(self, offer: int = 0, confidence: float = 0.0, behind: int = 0) -> None:
         """A round starts. What the loop knows before it: ``offer`` free proposals (prompt lookup's
         continuation) with this ``confidence`` (0: unknown), and ``behind``, the tokens a draft model

@@ -24,6 +24,7 @@ class AutoDrafter:
         self.n_sources = 2 if model is not None else 1
         self.name = f"auto({self.lookup.name}+{model.name})" if model is not None else f"auto({self.lookup.name})"
         self._offer = Offer()
+        self.weight_share = model.weight_share if model is not None else 0.0
 
     def begin(self, prompt: list[int]) -> None:
         # the model drafter is not fed the prompt here: it catches up when the controller first picks it,

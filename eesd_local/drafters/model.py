@@ -62,6 +62,8 @@ class ModelDrafter:
         self.name = name
         self.model = Model(path, n_gpu_layers=n_gpu_layers)
         check_same_vocab(target, self.model, "draft model" if name == "draft-model" else "draft file")
+        # the draft's weights over the target's: what a token of catching up costs, roughly, against a target token
+        self.weight_share = path.stat().st_size / max(1, Path(target.path).stat().st_size)
         self.ctx = Context(self.model, ContextParams(n_ctx=n_ctx, n_threads=n_threads))
 
     def begin(self, prompt: list[int]) -> None:
