@@ -223,7 +223,7 @@ class Engine:
                 pending = [(t, "draft") for t in r.drafted[:m]]
                 if r.next_token >= 0:  # -1: a probe whose drafts were all accepted ends on its last draft
                     pending.append((r.next_token, "bonus" if m == k and m > 0 else "target"))
-                stats.record_round(k, m, len(pending))
+                stats.record_round(k, m, len(pending), r.source)
                 yield RoundEvent(round_no, k, m, len(pending), r.t_draft, r.t_verify, rounds.belief(), r.source)
         finally:
             self._live = None

@@ -49,9 +49,16 @@ class Stats:
     draft_lengths: list[int] = field(default_factory=list)  # per round
     drafter: str = ""
     controller: str = ""
+    # per drafting source (lookup, eesd, draft-model, ...): [rounds it drafted, tokens drafted, accepted]
+    by_source: dict[str, list[int]] = field(default_factory=dict)
 
-    def record_round(self, drafted: int, accepted: int, emitted: int | None = None) -> None:
-        """Count one round: ``drafted`` tokens proposed, the first ``accepted`` of them kept."""
+    def record_round(self, drafted: int, accepted: int, emitted: int | None = None, source: str = "") -> None:
+        """Count one round: ``drafted`` tokens proposed (by ``source``), the first ``accepted`` of them kept."""
+        if drafted:
+            c = self.by_source.setdefault(source or self.drafter or "?", [0, 0, 0])
+            c[0] += 1
+            c[1] += drafted
+            c[2] += accepted
         self.n_rounds += 1
         self.n_emitted += accepted + 1 if emitted is None else emitted
         self.n_drafted += drafted
@@ -68,6 +75,11 @@ class Stats:
                   "t_prefill", "t_decode", "t_draft", "t_verify"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         self.draft_lengths += other.draft_lengths
+        for src, (r, d, a) in other.by_source.items():
+            c = self.by_source.setdefault(src, [0, 0, 0])
+            c[0] += r
+            c[1] += d
+            c[2] += a
         self._grow(len(other.drafted_at))
         for i, (d, a) in enumerate(zip(other.drafted_at, other.accepted_at, strict=True)):
             self.drafted_at[i] += d
@@ -98,6 +110,12 @@ class Stats:
     @property
     def acceptance_by_position(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    def source_summary(self) -> str:
+        """Per drafting source: rounds, drafted, accepted (acceptance); "" when nothing was drafted."""
+        parts = [f"{src} {r} rounds, drafted {d}, accepted {a} ({100 * a / d:.0f}%)"
+                 for src, (r, d, a) in sorted(self.by_source.items(), key=lambda kv: -kv[1][1]) if d]
+        return "; ".join(parts)
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)

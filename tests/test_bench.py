@@ -137,6 +137,13 @@ def test_tiny_run_through_the_cli(tmp_path, qwen05_path):
     assert data["methods"]["none"]["all"]["speedup"] == 1.0
     assert data["methods"]["none"]["chat"]["n_generated"] > 16  # two turns of up to 16 tokens
     assert data["methods"]["lookup"]["all"]["memory_overhead"] == 0
+    lk = data["methods"]["lookup"]["all"]
+    drafted_by = lk["sources"]  # every drafted token is counted under the source that drafted it
+    assert set(drafted_by) <= {"lookup"}
+    drafted, accepted = sum(v["drafted"] for v in drafted_by.values()), sum(v["accepted"] for v in drafted_by.values())
+    assert drafted == sum(data["methods"]["lookup"][c]["sources"].get("lookup", {}).get("drafted", 0) for c in ("code", "chat"))
+    if drafted:
+        assert accepted / drafted == pytest.approx(lk["acceptance_rate"])
     for name in ("speedup.png", "acceptance_by_position.png", "draft_length.png"):
         assert (plots / name).read_bytes()[:4] == b"\x89PNG"
     assert "| lookup |" in md.read_text()

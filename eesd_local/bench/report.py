@@ -72,7 +72,20 @@ def figures(res: Results, method: str, runs: list[Run], plain: dict[tuple[str, s
         "rss_growth_bytes": info.rss_growth_bytes,
         "drafter": info.drafter,
         "controller": info.controller,
+        # which source drafted (auto chooses per round): rounds, tokens drafted, accepted, acceptance
+        "sources": {src: {"rounds": r, "drafted": d, "accepted": a, "acceptance_rate": _div(a, d)}
+                    for src, (r, d, a) in sorted(total.by_source.items())},
     }
+
+
+def _sources(fig: dict[str, Any]) -> str:
+    """Each drafting source's share of the drafted tokens and its acceptance, e.g. "lookup 97%/88%"."""
+    srcs = fig.get("sources") or {}
+    total = sum(v["drafted"] for v in srcs.values())
+    if not total:
+        return "-"
+    return ", ".join(f"{k} {v['drafted'] / total:.0%}/{_f(v['acceptance_rate'], '.0%')}"
+                     for k, v in sorted(srcs.items(), key=lambda kv: -kv[1]["drafted"]))
 
 
 def summarize(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
@@ -143,15 +156,16 @@ def tables(res: Results, summary: dict[str, dict[str, dict[str, Any]]]) -> list[
     for cat in cats:
         t = Table(title=f"{cat}", title_justify="left")
         for col in ("method", "tok/s", "speedup", "tau", "accept", "draft len", "draft cost", "prefill s", "lossless",
-                    "+MB vs none", "prompts"):
-            t.add_column(col, justify="left" if col in ("method", "lossless") else "right")
+                    "+MB vs none", "prompts", "drafted by (share/acc)"):
+            t.add_column(col, justify="left" if col in ("method", "lossless", "drafted by (share/acc)") else "right")
         for method, by_cat in summary.items():
             f = by_cat.get(cat)
             if f is None or not f["n_runs"]:
                 continue
             t.add_row(method, _f(f["tokens_per_s"], ".2f"), _f(f["speedup"], ".2f"), _f(f["tau"], ".2f"),
                       _f(f["acceptance_rate"], ".0%"), _f(f["mean_draft_length"], ".2f"), _f(f["draft_cost"], ".2f"),
-                      _f(f["prefill_s"], ".2f"), _lossless(f), _f(f["memory_overhead"] / 1e6, ".0f"), str(f["n_prompts"]))
+                      _f(f["prefill_s"], ".2f"), _lossless(f), _f(f["memory_overhead"] / 1e6, ".0f"), str(f["n_prompts"]),
+                      _sources(f))
         out.append(t)
     return out
 
@@ -162,15 +176,17 @@ def markdown(res: Results, summary: dict[str, dict[str, dict[str, Any]]]) -> str
     cats = [c for c in [*res.categories, ALL] if any(c in v for v in summary.values())]
     for cat in cats:
         lines += [f"**{cat}**", "",
-                  "| method | tok/s | speedup | tau | accept | draft len | draft cost | prefill s | lossless | +MB vs none | prompts |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+                  "| method | tok/s | speedup | tau | accept | draft len | draft cost | prefill s | lossless | +MB vs none | prompts "
+                  "| drafted by (share/acc) |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|"]
         for method, by_cat in summary.items():
             f = by_cat.get(cat)
             if f is None or not f["n_runs"]:
                 continue
             lines.append(f"| {method} | {_f(f['tokens_per_s'], '.2f')} | {_f(f['speedup'], '.2f')} | {_f(f['tau'], '.2f')} | "
                          f"{_f(f['acceptance_rate'], '.0%')} | {_f(f['mean_draft_length'], '.2f')} | {_f(f['draft_cost'], '.2f')} | "
-                         f"{_f(f['prefill_s'], '.2f')} | {_lossless(f)} | {_f(f['memory_overhead'] / 1e6, '.0f')} | {f['n_prompts']} |")
+                         f"{_f(f['prefill_s'], '.2f')} | {_lossless(f)} | {_f(f['memory_overhead'] / 1e6, '.0f')} | {f['n_prompts']} | "
+                         f"{_sources(f)} |")
         lines.append("")
     for name, info in res.methods.items():
         growth = "-" if info.rss_growth_bytes is None else f"{info.rss_growth_bytes / 1e6:.0f} MB"

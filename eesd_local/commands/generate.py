@@ -41,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
                 elif isinstance(ev, FinishEvent):
                     fin = ev
                 elif args.verbose:
-                    print(f"\n[round {ev.index}: drafted {ev.drafted}, accepted {ev.accepted}, "
+                    by = f" by {ev.source}" if ev.drafted and ev.source else ""
+                    print(f"\n[round {ev.index}: drafted {ev.drafted}{by}, accepted {ev.accepted}, "
                           f"draft {1e3 * ev.t_draft:.1f} ms, verify {1e3 * ev.t_verify:.1f} ms]", file=sys.stderr)
         except KeyboardInterrupt:
             events.close()  # runs the engine's rollback
@@ -50,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         if fin is not None:
             print(f"[{fin.reason}] {fin.stats.summary()}", file=sys.stderr)
+            if args.verbose and fin.stats.by_source:
+                print(f"[sources] {fin.stats.source_summary()}", file=sys.stderr)
             if fin.reason == "context":
                 print(f"eesd: the context of {engine.ctx.n_ctx} tokens is full: the answer stopped after "
                       f"{fin.stats.n_generated} of {args.max_tokens} tokens (pass a larger --n-ctx)", file=sys.stderr)
