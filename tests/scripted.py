@@ -77,12 +77,13 @@ class ScriptedEngine:
                 yield TokenEvent(token=stats.n_generated, text=piece, source=src, round=index)  # type: ignore[arg-type]
                 if self.hold_after is not None and stats.n_generated >= self.hold_after:
                     self._cancel.wait(timeout=30)
-            stats.record_round(drafted, accepted, len(pieces))
+            source = ("eesd" if index % 3 == 0 else "lookup") if drafted else ""  # as auto picks per round
+            stats.record_round(drafted, accepted, len(pieces), source)
             stats.t_draft += 0.001 * drafted
             stats.t_verify += 0.02
             belief = {"mean": 0.8, "lo": 0.6, "hi": 0.9, "k": float(drafted)}
             yield RoundEvent(index=index, drafted=drafted, accepted=accepted, emitted=len(pieces),
-                             t_draft=0.001 * drafted, t_verify=0.02, belief=belief)
+                             t_draft=0.001 * drafted, t_verify=0.02, belief=belief, source=source)
         stats.t_decode = 0.5
         yield FinishEvent(reason=reason, stats=stats, text=text)  # type: ignore[arg-type]
 

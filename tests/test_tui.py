@@ -134,6 +134,11 @@ def test_answer_streams_with_speculation_figures(engine, monkeypatch):
     assert int(row(panel, "drafted")[0]) == answer.stats.n_drafted > 0
     assert int(row(panel, "accepted")[0]) == answer.stats.n_accepted > 0
     assert "P(accept)" in panel and "90% CI" in panel and " 1 " in panel  # belief and acceptance by position
+    # acceptance per drafting source, the latest round's marked
+    for src, (_, drafted, accepted) in answer.stats.by_source.items():
+        line = next(ln for ln in panel.splitlines() if ln.startswith(src[:8]))
+        assert f"{accepted}/{drafted}" in line
+    assert "◂" in next(ln for ln in panel.splitlines() if ln.startswith(answer.last_source[:8]))
     assert [t.role for t in app.conv.turns] == ["user", "assistant"]
     assert app.conv.turns[1].content == answer.text and answer.text.strip()
     # Ctrl+O: every piece in the colour of its source

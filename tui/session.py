@@ -32,6 +32,7 @@ class Answer:
     error: str = ""  # a user-facing error that ended the answer
     t_start: float = 0.0  # when the first token arrived (the prefill is over)
     final: bool = False  # stats come from the FinishEvent (exact times)
+    last_source: str = ""  # the source that drafted the latest round that drafted
 
     def __post_init__(self) -> None:
         self.stats.drafter, self.stats.controller = self.drafter, self.controller
@@ -49,7 +50,9 @@ class Answer:
             self.stats.t_decode = time.perf_counter() - self.t_start
 
     def add_round(self, ev: RoundEvent) -> None:
-        self.stats.record_round(ev.drafted, ev.accepted, ev.emitted)
+        self.stats.record_round(ev.drafted, ev.accepted, ev.emitted, getattr(ev, "source", ""))
+        if ev.drafted:
+            self.last_source = getattr(ev, "source", "") or self.drafter
         self.stats.t_draft += ev.t_draft
         self.stats.t_verify += ev.t_verify
         if ev.belief:

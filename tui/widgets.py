@@ -175,6 +175,18 @@ class SpeculationPanel(Static):
             out.append(Text("no rounds yet", "dim"))
         out.append(Text(""))
 
+        out.append(Text("drafted by source (session)", "bold"))
+        if not session.by_source and not cur.by_source:
+            out.append(Text("nothing drafted yet", "dim"))
+        for src, (rounds, drafted, accepted) in sorted(session.by_source.items(), key=lambda kv: -kv[1][1]):
+            frac = accepted / drafted if drafted else 0.0
+            line = Text(f"{src[:8]:<8} ").append(bar(frac, 8)).append(f" {100 * frac:3.0f}% ")
+            line.append(f"{accepted}/{drafted} in {rounds} rnd", "dim")
+            if answer is not None and src == answer.last_source:
+                line.append(" ◂", "bold")  # drafted the latest round
+            out.append(line)
+        out.append(Text(""))
+
         out.append(Text("acceptance by draft position (session)", "bold"))
         pos = session.acceptance_by_position
         if not pos:
