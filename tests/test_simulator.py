@@ -140,3 +140,30 @@ def test_cli_rejects_unknown_names():
         simulate_command.run(_cli("--processes", "nope"))
     with pytest.raises(EesdError):
         simulate_command.run(_cli("--controllers", "nope", "--rounds", "500"))
+
+
+# --- several sources (simulate_sources): the controller's choice, without a model -------------
+
+
+def test_auto_keeps_up_with_the_best_single_source_on_every_process_and_profile():
+    from eesd_local.simulate_sources import POLICIES, SOURCE_PROCESSES, run
+    from eesd_local.simulator import PROFILES
+
+    for pname, proc in SOURCE_PROCESSES.items():
+        for prof in ("cpu-d0.35", "gpu-d0.1", "gpu-d0.35"):
+            rate = {pol: run(pol, proc, PROFILES[prof], seed=1)["tokens_per_token_time"] for pol in POLICIES}
+            best = max(rate[p] for p in POLICIES if p != "auto")
+            assert rate["auto"] >= 0.95 * best, (pname, prof, rate)
+            assert rate["auto"] >= 0.97 * rate["none"], (pname, prof, rate)  # never slower than plain decoding
+
+
+def test_auto_drafts_with_the_source_that_pays():
+    from eesd_local.simulate_sources import SOURCE_PROCESSES, run
+    from eesd_local.simulator import PROFILES
+
+    gpu = run("auto", SOURCE_PROCESSES["model-pays"], PROFILES["gpu-d0.1"], seed=2)
+    assert gpu["model_rounds"] > 0.8 * gpu["rounds"]  # the exit head drafts where it is right and cheap
+    cpu = run("auto", SOURCE_PROCESSES["model-pays"], PROFILES["cpu-d0.35"], seed=2)
+    assert cpu["model_rounds"] < 0.05 * cpu["rounds"]  # the same head on a CPU, where a batch costs: probes only
+    copy = run("auto", SOURCE_PROCESSES["requests"], PROFILES["gpu-d0.1"], seed=2)
+    assert copy["lookup_rounds"] > 0.5 * copy["rounds"]  # a cheap model does not starve the free source

@@ -6,6 +6,8 @@ import argparse
 
 from ..defaults import DRAFT_MAX
 from ..errors import EesdError
+from ..simulate_sources import SOURCE_PROCESSES
+from ..simulate_sources import table as sources_table
 from ..simulator import PROCESSES, PROFILES, TABLE_CONTROLLERS, decision_cost, table
 
 
@@ -22,10 +24,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-max", "--max-draft", dest="draft_max", type=int, default=DRAFT_MAX, help="longest draft (default: %(default)s)")
     p.add_argument("--no-adapt", dest="adapt", action="store_false", help="skip the rounds-to-adapt table after regime switches")
     p.add_argument("--timing", action="store_true", help="also measure what a controller decision costs")
+    p.add_argument("--sources", action="store_true",
+                   help="instead: auto's choice between lookup and a model drafter against each source alone "
+                        "(processes: " + ", ".join(SOURCE_PROCESSES) + ")")
 
 
 def epilog() -> str:
     lines = ["processes:"] + [f"  {n:10s} {p.about}" for n, p in PROCESSES.items()]
+    lines += ["processes of --sources:"] + [f"  {n:16s} {p.about}" for n, p in SOURCE_PROCESSES.items()]
     lines += ["cost profiles:"] + [f"  {n:10s} {p.about}" for n, p in PROFILES.items()]
     return "\n".join(lines)
 
@@ -43,6 +49,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.sources:
+        profiles = _names(args.profiles)
+        bad = [n for n in profiles if n not in PROFILES]
+        if bad:
+            raise EesdError(f"unknown cost profile {', '.join(bad)}", hint=f"choose from {', '.join(PROFILES)}")
+        print("target tokens per target-token time (plain decoding = 1.00), one run per policy, seed", args.seed)
+        print(sources_table(list(SOURCE_PROCESSES), profiles, seed=args.seed))
+        return 0
     controllers, processes, profiles = _names(args.controllers), _names(args.processes), _names(args.profiles)
     for kind, names, known in (("process", processes, PROCESSES), ("cost profile", profiles, PROFILES)):
         bad = [n for n in names if n not in known]

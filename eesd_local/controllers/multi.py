@@ -39,6 +39,7 @@ from .layout import (
     OPEN,
     POS0,
     PROBE,
+    REQ_SEEN,
     SOURCE,
     SRC_LOOKUP,
     SRC_MODEL,
@@ -47,7 +48,7 @@ from .layout import (
     thompson_size,
     vc0,
 )
-from .thompson import refresh_verify_estimates, ts_begin, ts_decide, ts_new_request, ts_update
+from .thompson import REQUEST_PROBES, refresh_verify_estimates, ts_begin, ts_decide, ts_new_request, ts_update
 
 
 @njit(cache=True)
@@ -84,6 +85,9 @@ def multi_begin(state):
         elif sub[PROBE] != 0.0 and (probe == SRC_NONE or s == SRC_MODEL):
             probe = s  # a costly source's probes are rationed by their chance: they go first
     src = best if best != SRC_NONE else probe
+    lookup = source_state(state, SRC_LOOKUP)
+    if state[OFFER_N] > 0.0 and lookup[REQ_SEEN] < REQUEST_PROBES:
+        src = SRC_LOOKUP  # a new request looks at its free source first: else an open model gate would starve it
     state[SOURCE] = src
     state[NO_BONUS] = source_state(state, src)[NO_BONUS] if src != SRC_NONE else 0.0
 
