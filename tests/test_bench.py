@@ -144,11 +144,30 @@ def test_tiny_run_through_the_cli(tmp_path, qwen05_path):
     assert drafted == sum(data["methods"]["lookup"][c]["sources"].get("lookup", {}).get("drafted", 0) for c in ("code", "chat"))
     if drafted:
         assert accepted / drafted == pytest.approx(lk["acceptance_rate"])
+    # the memory-bound projection: plain decoding is 1, lookup's drafts read no weights so it is tau
+    assert data["methods"]["none"]["all"]["projected_memory_bound_speedup"] == pytest.approx(1.0)
+    assert lk["projected_memory_bound_speedup"] == pytest.approx(lk["tau"])
+    assert "projected mem-bound speedup" in md.read_text()
     for name in ("speedup.png", "acceptance_by_position.png", "draft_length.png"):
         assert (plots / name).read_bytes()[:4] == b"\x89PNG"
     assert "| lookup |" in md.read_text()
     # outputs are not overwritten without --force (checked before anything runs)
     assert cli.main(argv) == 2
+
+
+def test_projection_charges_a_model_source_its_share_of_the_weights(qwen05_path):
+    from eesd_local.bench.report import projected_speedup
+    from eesd_local.events import Stats
+    from eesd_local.heads.ggufraw import bytes_read_per_token
+
+    st = Stats()
+    st.record_round(4, 3, 4, "eesd")  # 3 of 4 drafts kept and a correction: 4 tokens
+    st.record_round(2, 2, 3, "lookup")  # both kept and the bonus: 3 tokens
+    st.record_round(0, 0, 1)
+    assert projected_speedup(st, {"eesd": 0.25}) == pytest.approx(8 / (3 + 4 * 0.25))
+    assert projected_speedup(st, {}) == pytest.approx(8 / 3)
+    whole = bytes_read_per_token(qwen05_path)
+    assert 0.5 * qwen05_path.stat().st_size < whole <= qwen05_path.stat().st_size  # tied embeddings: the LM head reads them
 
 
 def test_certify_flags_a_real_divergence(qwen05_path):

@@ -129,6 +129,14 @@ class EngineMethod:
         form = engine.drafter.native()  # a draft context, if the drafter runs one, is the weights it adds
         draft = form.draft_ctx.model if form is not None and form.draft_ctx is not None else None
         self.model_bytes = int(engine.model.size_bytes) + (int(draft.size_bytes) if draft is not None else 0)
+        # a model source's draft step, in target steps of weights read (lookup's drafts read nothing)
+        self.draft_share: dict[str, float] = {}
+        if draft is not None:
+            from ..heads.ggufraw import bytes_read_per_token
+
+            share = bytes_read_per_token(Path(draft.path)) / max(1, bytes_read_per_token(Path(engine.model.path)))
+            names = getattr(engine.drafter, "source_name", None)
+            self.draft_share[names(1) if names else engine.drafter.name] = share
 
     def generate(self, prompt: list[int], s: Sampling) -> Turn:
         tokens: list[int] = []

@@ -72,10 +72,23 @@ def figures(res: Results, method: str, runs: list[Run], plain: dict[tuple[str, s
         "rss_growth_bytes": info.rss_growth_bytes,
         "drafter": info.drafter,
         "controller": info.controller,
+        # PROJECTION, not a measurement: the speedup these rounds would give on a memory-bound device,
+        # where verifying k+1 tokens costs one target step and a drafted token its share of the weights read
+        "projected_memory_bound_speedup": projected_speedup(total, info.draft_share) if runs else None,
         # which source drafted (auto chooses per round): rounds, tokens drafted, accepted, acceptance
         "sources": {src: {"rounds": r, "drafted": d, "accepted": a, "acceptance_rate": _div(a, d)}
                     for src, (r, d, a) in sorted(total.by_source.items())},
     }
+
+
+def projected_speedup(stats: Stats, draft_share: dict[str, float]) -> float | None:
+    """tokens emitted / (rounds + sum over sources of tokens drafted x the source's draft share):
+    every verify costs one target step whatever its batch, every drafted token the bytes its draft
+    step reads over a target step's (0 for prompt lookup). Plain decoding projects to 1.00."""
+    if not stats.n_rounds:
+        return None
+    steps = stats.n_rounds + sum(d * draft_share.get(src, 0.0) for src, (_, d, _) in stats.by_source.items())
+    return stats.n_emitted / steps
 
 
 def _sources(fig: dict[str, Any]) -> str:
@@ -156,7 +169,7 @@ def tables(res: Results, summary: dict[str, dict[str, dict[str, Any]]]) -> list[
     for cat in cats:
         t = Table(title=f"{cat}", title_justify="left")
         for col in ("method", "tok/s", "speedup", "tau", "accept", "draft len", "draft cost", "prefill s", "lossless",
-                    "+MB vs none", "prompts", "drafted by (share/acc)"):
+                    "+MB vs none", "prompts", "drafted by (share/acc)", "projected mem-bound speedup"):
             t.add_column(col, justify="left" if col in ("method", "lossless", "drafted by (share/acc)") else "right")
         for method, by_cat in summary.items():
             f = by_cat.get(cat)
@@ -165,7 +178,7 @@ def tables(res: Results, summary: dict[str, dict[str, dict[str, Any]]]) -> list[
             t.add_row(method, _f(f["tokens_per_s"], ".2f"), _f(f["speedup"], ".2f"), _f(f["tau"], ".2f"),
                       _f(f["acceptance_rate"], ".0%"), _f(f["mean_draft_length"], ".2f"), _f(f["draft_cost"], ".2f"),
                       _f(f["prefill_s"], ".2f"), _lossless(f), _f(f["memory_overhead"] / 1e6, ".0f"), str(f["n_prompts"]),
-                      _sources(f))
+                      _sources(f), _f(f.get("projected_memory_bound_speedup"), ".2f"))
         out.append(t)
     return out
 
@@ -177,8 +190,8 @@ def markdown(res: Results, summary: dict[str, dict[str, dict[str, Any]]]) -> str
     for cat in cats:
         lines += [f"**{cat}**", "",
                   "| method | tok/s | speedup | tau | accept | draft len | draft cost | prefill s | lossless | +MB vs none | prompts "
-                  "| drafted by (share/acc) |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|"]
+                  "| drafted by (share/acc) | projected mem-bound speedup |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---:|"]
         for method, by_cat in summary.items():
             f = by_cat.get(cat)
             if f is None or not f["n_runs"]:
@@ -186,7 +199,7 @@ def markdown(res: Results, summary: dict[str, dict[str, dict[str, Any]]]) -> str
             lines.append(f"| {method} | {_f(f['tokens_per_s'], '.2f')} | {_f(f['speedup'], '.2f')} | {_f(f['tau'], '.2f')} | "
                          f"{_f(f['acceptance_rate'], '.0%')} | {_f(f['mean_draft_length'], '.2f')} | {_f(f['draft_cost'], '.2f')} | "
                          f"{_f(f['prefill_s'], '.2f')} | {_lossless(f)} | {_f(f['memory_overhead'] / 1e6, '.0f')} | {f['n_prompts']} | "
-                         f"{_sources(f)} |")
+                         f"{_sources(f)} | {_f(f.get('projected_memory_bound_speedup'), '.2f')} |")
         lines.append("")
     for name, info in res.methods.items():
         growth = "-" if info.rss_growth_bytes is None else f"{info.rss_growth_bytes / 1e6:.0f} MB"

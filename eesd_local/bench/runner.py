@@ -88,6 +88,8 @@ class MethodInfo:
     controller: str
     model_bytes: int
     rss_growth_bytes: int | None  # process RSS added by loading and warming this method
+    # per model source: bytes its draft step reads over a target step's (the memory-bound projection)
+    draft_share: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -295,7 +297,8 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> Results:
                 _warm_up(m, ref, cfg.warmup_tokens)
             rss1 = rss_bytes()
             growth = rss1 - rss0 if rss0 is not None and rss1 is not None else None
-            res.methods[spec.name] = MethodInfo(spec.name, m.drafter, m.controller, m.model_bytes, growth)
+            res.methods[spec.name] = MethodInfo(spec.name, m.drafter, m.controller, m.model_bytes, growth,
+                                                dict(getattr(m, "draft_share", {})))
         assert ref is not None
         if cfg.cost_repeats > 0:
             from ..weights import COST_KS, batch_costs

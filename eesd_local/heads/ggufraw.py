@@ -328,3 +328,15 @@ def write_gguf(
             raise ValueError(f"tensor {name}: {len(mv)} bytes, expected {nbytes}")
         out.write(mv)
         out.write(b"\0" * ((-nbytes) % alignment))
+
+
+def bytes_read_per_token(path: Path) -> int:
+    """Weight bytes one decode step of this model reads: every tensor but the token embeddings,
+    of which a step reads one row (negligible), unless the output layer is tied to them (no
+    ``output.weight``), when the LM head reads all of ``token_embd``. What a memory-bound device
+    pays per step, as a first-order model."""
+    h = read_header(path)
+    total = sum(t.nbytes for name, t in h.tensors.items() if name != "token_embd.weight")
+    if "output.weight" not in h.tensors and "token_embd.weight" in h.tensors:
+        total += h.tensors["token_embd.weight"].nbytes
+    return total
