@@ -377,9 +377,8 @@ def ts_new_request(state):
     copies its input, an essay does not), so its evidence from earlier requests is thinned to
     REQUEST_EVIDENCE observations around the same mean. The first rounds of the new request then
     move it within a few rounds, where ~100 rounds of old evidence would hold it for tens. What
-    the machine costs (verify times, draft times), how the drafter's confidence relates to
-    acceptance and how the deeper positions follow the first are kept: they are the drafter's and
-    the machine's more than the request's (a long lookup match in prose is caught by its confidence)."""
+    the machine costs (verify times, draft times) and how the drafter's confidence relates to
+    acceptance are kept: they do not change with the request."""
     state[REQ_SEEN] = 0.0
     a = state[POS0] - 1.0
     b = state[POS0 + 1] - 1.0
@@ -388,3 +387,14 @@ def ts_new_request(state):
         w = REQUEST_EVIDENCE / n
         state[POS0] = 1.0 + w * a
         state[POS0 + 1] = 1.0 + w * b
+    # how far a draft runs on once its first token is right is the request's too (a copied block
+    # runs on, prose does not): each deeper position's odds-ratio evidence is thinned alike
+    a0 = BIN_PRIOR * 0.5
+    for i in range(1, int(state[MAX_DRAFT])):
+        at = POS0 + POS_WIDTH * i
+        n = state[at] + state[at + 1] - BIN_PRIOR
+        if n > REQUEST_EVIDENCE:
+            w = REQUEST_EVIDENCE / n
+            state[at] = a0 + w * (state[at] - a0)
+            state[at + 1] = a0 + w * (state[at + 1] - a0)
+            state[at + 2] = a0 + w * (state[at + 2] - a0)
