@@ -99,6 +99,7 @@ LINE_PRIOR = 3.0  # pseudo-samples of the fitted verify-time line behind each ba
 GATE_Z = 0.5  # how optimistic the "does any k pay?" gate is, in posterior sds of theta_1
 THETA_CLAMP = 1e-9  # keeps odds finite when a sampled theta rounds to 0 or 1
 REQUEST_EVIDENCE = 4.0  # observations of theta_1 a new request starts with (ts_new_request)
+REQUEST_RATIO_EVIDENCE = 16.0  # observations each deeper position's odds ratio keeps at a new request
 REQUEST_PROBES = 2  # a new request's gate stays closed until this many of its rounds were verified
 
 
@@ -393,8 +394,19 @@ def ts_new_request(state):
     for i in range(1, int(state[MAX_DRAFT])):
         at = POS0 + POS_WIDTH * i
         n = state[at] + state[at + 1] - BIN_PRIOR
-        if n > REQUEST_EVIDENCE:
-            w = REQUEST_EVIDENCE / n
+        if n > REQUEST_RATIO_EVIDENCE:
+            w = REQUEST_RATIO_EVIDENCE / n
             state[at] = a0 + w * (state[at] - a0)
             state[at + 1] = a0 + w * (state[at + 1] - a0)
             state[at + 2] = a0 + w * (state[at + 2] - a0)
+    # and so, for prompt lookup, is what a match length is worth (a 4-gram match continues a copied block
+    # in a rewrite and a common phrase in an essay): the confidence bins are thinned alike
+    for j in range(N_BINS):
+        at = BIN0 + BIN_WIDTH * j
+        b0 = BIN_PRIOR * bin_prior_mean(j)
+        n = state[at] + state[at + 1] - BIN_PRIOR
+        if n > REQUEST_RATIO_EVIDENCE:
+            w = REQUEST_RATIO_EVIDENCE / n
+            state[at] = b0 + w * (state[at] - b0)
+            state[at + 1] = (BIN_PRIOR - b0) + w * (state[at + 1] - (BIN_PRIOR - b0))
+            state[at + 2] = b0 + w * (state[at + 2] - b0)
