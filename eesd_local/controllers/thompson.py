@@ -154,9 +154,17 @@ def refresh_verify_estimates(state):
     den = sw * sxx - sx * sx
     slope = max((sw * sxy - sx * sy) / den, 0.0) if den > 0.0 else 0.0
     icpt = (sy - slope * sx) / sw
+    top = 0  # the largest batch size timed so far
     for b in range(k + 1):
         n = state[vc + 2 * b + 1]
         state[ve + b] = (n * state[vc + 2 * b] + LINE_PRIOR * (icpt + slope * b)) / (n + LINE_PRIOR)
+        if n > 0.0:
+            top = b
+    # sizes beyond the largest timed one cost no more than it (optimistic, so they get tried): a line
+    # through a batch of one and a batch of two only would price a batch of nine far above what it
+    # costs (batching amortises the weight reads), and a closed gate would never time it to learn better
+    for b in range(top + 1, k + 1):
+        state[ve + b] = state[ve + top]
 
 
 @njit(cache=True)
