@@ -94,13 +94,18 @@ LLAMA_INCLUDE_DIR = os.path.join(os.path.dirname(LLAMA_CPP_DIR), "include")
 # llama_cpp's copy of libllama: beside the installed package, else where it was at build time
 ORIGIN = "@loader_path" if sys.platform == "darwin" else "$ORIGIN"
 
+def _lib_files() -> list[str]:
+    return os.listdir(LLAMA_LIB_DIR) if os.path.isdir(LLAMA_LIB_DIR) else []
+
+
 native = Pybind11Extension(
     "eesd_local._native",
     SOURCES,
-    depends=[os.path.join("native", f) for f in ("simd.hpp", "probs.hpp", "kv.hpp", "rounds.hpp")],
+    depends=[os.path.join("native", f) for f in ("simd.hpp", "probs.hpp", "kv.hpp", "rounds.hpp", "capture.hpp")],
     include_dirs=[LLAMA_INCLUDE_DIR],
     library_dirs=[LLAMA_LIB_DIR],
-    libraries=["llama"],
+    # ggml-base: the shared-trunk capture (capture.hpp) reads a graph tensor through ggml's backend API
+    libraries=["llama"] + (["ggml-base"] if any(f.startswith("libggml-base.") for f in _lib_files()) else []),
     extra_link_args=[f"-Wl,-rpath,{ORIGIN}/../llama_cpp/lib", f"-Wl,-rpath,{LLAMA_LIB_DIR}"],
     define_macros=[("EESD_LLAMA_CPP_VERSION", f'"{LLAMA_CPP_VERSION}"')],
     # -O3: the vocabulary-wide loops (exp, sums, max) are written to vectorise; BuildNative adds

@@ -20,7 +20,7 @@ import numpy as np
 from . import chat as chat_mod
 from . import native_round
 from .defaults import BATCH_MS, DRAFT_MAX, N_CTX
-from .drafters import make_drafter, n_sources
+from .drafters import make_drafter, n_sources, shared_trunk_plan
 from .drafters.base import Drafter, NoDrafter
 from .errors import EesdError
 from .events import Event, FinishEvent, RoundEvent, Stats, TokenEvent
@@ -28,6 +28,7 @@ from .registry import resolve_model
 from .rounds import Controller, RoundLoop, round_limit
 from .runtime import Context, ContextParams, Detokenizer, Model, common_prefix
 from .sampling import SamplingParams, Uniform, probs, sample
+from .trunk import open_split
 
 
 @dataclass
@@ -43,6 +44,7 @@ class EngineConfig:
     n_threads: int | None = None
     seed: int = 0  # the controller's seed
     batch_ms: float = BATCH_MS  # native loop: run rounds this long before Python takes them; 0 = one at a time
+    shared_trunk: bool = True  # run the exit head on the target's own first N layers (trunk.py), not a copy
 
 
 class _Generation:
@@ -76,15 +78,23 @@ class Engine:
         self._cancel = False
         _check_int("draft_max", config.draft_max, 1, "--draft-max")
         self.model_path = resolve_model(config.model)
-        self.model = Model(self.model_path, n_gpu_layers=config.n_gpu_layers)
+        # with the shared trunk the target's weights are the trunk's and the tail's: its own load is vocabulary only
+        plan = shared_trunk_plan(config, self.model_path)
+        self.model = Model(self.model_path, n_gpu_layers=config.n_gpu_layers, vocab_only=plan is not None)
         self.drafter: Drafter = NoDrafter()
         self.drafter_note = ""
+        self.trunk: Any = None  # the shared trunk+exit context, when the target is split
         try:
-            self.ctx = Context(self.model, ContextParams(n_ctx=config.n_ctx, n_threads=config.n_threads))
+            params = ContextParams(n_ctx=config.n_ctx, n_threads=config.n_threads)
+            if plan is not None:
+                self.ctx: Any = open_split(self.model, plan[0], params, n_gpu_layers=config.n_gpu_layers)
+                self.trunk = self.ctx.trunk
+            else:
+                self.ctx = Context(self.model, params)
             if config.draft_max + 1 > self.ctx.n_batch:  # a round decodes [last, d1..dk] in one batch
                 raise EesdError(f"a draft of up to {config.draft_max} tokens does not fit the target's batch of "
                                 f"{self.ctx.n_batch} tokens", hint=f"use --draft-max {self.ctx.n_batch - 1} or less")
-            self.drafter, self.drafter_note = make_drafter(config, self.model)
+            self.drafter, self.drafter_note = make_drafter(config, self.model, self.trunk)
             self.controller = _make_controller(config.controller, config.draft_max, config.seed, n_sources(self.drafter))
         except BaseException:
             self.close()
@@ -248,7 +258,7 @@ class Engine:
             self._check_open()
             self._end_generation("the drafter was switched")
             config = dataclasses.replace(self.config, drafter=kind)
-            drafter, note = make_drafter(config, self.model)
+            drafter, note = make_drafter(config, self.model, self.trunk)
             old, self.drafter, self.config, self.drafter_note = self.drafter, drafter, config, note
             old.close()
             if n_sources(drafter) != n_sources(old) and (config.controller is None or isinstance(config.controller, str)):

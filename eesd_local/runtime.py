@@ -71,6 +71,7 @@ class Model:
         if not ptr:
             raise EesdError(f"llama.cpp could not load {self.path}", hint="the file may be truncated or of an unsupported architecture; set EESD_LLAMA_LOG=1 to see why")
         self.ptr = ptr
+        self.vocab_only = vocab_only  # no weights: tokenizer and metadata only (size_bytes still counts the file's tensors)
         self.vocab = lc.llama_model_get_vocab(ptr)
         self.n_vocab = int(lc.llama_vocab_n_tokens(self.vocab))
         self.n_layer = int(lc.llama_model_n_layer(ptr))
@@ -205,7 +206,11 @@ class ContextParams:
 class Context:
     """One llama.cpp context with a single sequence and a record of its KV contents."""
 
-    def __init__(self, model: Model, params: ContextParams | None = None) -> None:
+    def __init__(self, model: Model, params: ContextParams | None = None, *, cb_eval: tuple[int, int] | None = None,
+                 embd: int = 0) -> None:
+        """``cb_eval``: (function, user data) addresses of a graph eval callback (the shared trunk's
+        capture); ``embd`` > 0: the context is fed rows of that width (:meth:`decode` with ``embd=``)
+        rather than token ids."""
         params = params or ContextParams()
         if params.n_ctx < 1:  # llama.cpp reads 0 as "the model's size" and fails on negatives with a misleading error
             raise EesdError(f"--n-ctx must be a positive number of tokens, got {params.n_ctx}", hint="e.g. --n-ctx 4096")
@@ -222,6 +227,9 @@ class Context:
         cp.n_threads = threads
         cp.n_threads_batch = threads
         cp.no_perf = True
+        if cb_eval is not None:
+            cp.cb_eval = ctypes.cast(cb_eval[0], lc.ggml_backend_sched_eval_callback)
+            cp.cb_eval_user_data = ctypes.c_void_p(cb_eval[1])
         ptr = lc.llama_init_from_model(model.ptr, cp)
         if not ptr:
             raise EesdError(f"llama.cpp could not create a context of {params.n_ctx} tokens for {model.path.name}", hint="try a smaller --n-ctx")
@@ -232,7 +240,8 @@ class Context:
         self.n_batch = min(params.n_batch, int(lc.llama_n_batch(ptr)))
         self.mem = lc.llama_get_memory(ptr)
         self.tokens: list[int] = []  # what the KV cache holds, position by position
-        self._batch = lc.llama_batch_init(self.n_batch, 0, 1)
+        self.embd = embd
+        self._batch = lc.llama_batch_init(self.n_batch, embd, 1)
         self._n_out = 0
         self._out_base = 0
 
@@ -254,17 +263,25 @@ class Context:
         """How many more tokens fit into the context."""
         return self.n_ctx - self.n_past
 
-    def decode(self, tokens: Sequence[int], *, n_logits: int = 1) -> int:
+    def decode(self, tokens: Sequence[int], *, n_logits: int = 1, embd: np.ndarray | None = None) -> int:
         """Append ``tokens`` to the cache with logits for the last ``n_logits`` of them.
 
         Long inputs go in n_batch chunks; the logit rows must all fall into the last
         chunk. Returns the number of logit rows available through :meth:`logits`.
+        A context made with ``embd`` is fed ``embd`` (one float32 row per token) instead of
+        the token ids, which then only say what its cache holds.
         """
         n = len(tokens)
         if n == 0:
             return 0
+        if self.embd:
+            if embd is None or embd.shape != (n, self.embd) or embd.dtype != np.float32 or not embd.flags.c_contiguous:
+                raise ValueError(f"this context is fed ({n}, {self.embd}) float32 rows, got "
+                                 f"{None if embd is None else (embd.shape, embd.dtype)}")
+        elif embd is not None:
+            raise ValueError("this context is fed token ids, not embeddings")
         n_vocab = self.model.n_vocab
-        for i, tok in enumerate(tokens):  # llama.cpp rejects the whole batch with code -1 and says nothing more
+        for i, tok in enumerate(tokens if embd is None else ()):  # llama.cpp rejects the whole batch with code -1 and says nothing more
             if not 0 <= tok < n_vocab:
                 self.model.check_token(tok, f" (position {i} of {n})")
         if self.n_past + n > self.n_ctx:
@@ -283,8 +300,12 @@ class Context:
             first_out = n - n_logits - start  # batch index of the first row with logits
             b = self._batch
             pos0 = self.n_past
+            if embd is not None:
+                rows = embd[start : start + size]
+                ctypes.memmove(b.embd, rows.ctypes.data, rows.nbytes)
             for i, tok in enumerate(chunk):
-                b.token[i] = tok
+                if embd is None:
+                    b.token[i] = tok
                 b.pos[i] = pos0 + i
                 b.n_seq_id[i] = 1
                 b.seq_id[i][0] = 0

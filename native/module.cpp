@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "capture.hpp"
 #include "probs.hpp"
 #include "rounds.hpp"
 #include "simd.hpp"
@@ -116,6 +117,51 @@ PYBIND11_MODULE(_native, m) {
         .def("rng_state", &PyRounds::rng_state, "The random stream's state after the batches so far.")
         .def_property_readonly("t_llama", &PyRounds::t_llama, "Seconds inside llama_decode over all batches.")
         .def("close", &PyRounds::close, "Free the batches; the contexts stay with Python.");
+    py::class_<eesd::Capture>(m, "Capture")
+        .def(py::init<std::string, int64_t>(), py::arg("name"), py::arg("n_embd"))
+        .def_property_readonly_static(
+            "callback", [](py::object) { return reinterpret_cast<uintptr_t>(&eesd::capture_eval); },
+            "The cb_eval function's address (for llama_context_params.cb_eval).")
+        .def_property_readonly(
+            "user_data", [](eesd::Capture& self) { return reinterpret_cast<uintptr_t>(&self); },
+            "This capture's address (for llama_context_params.cb_eval_user_data); keep the object alive.")
+        .def("reset", &eesd::Capture::reset, "Forget the rows captured so far.")
+        .def_readonly("n_rows", &eesd::Capture::n_rows)
+        .def_readonly("n_bad", &eesd::Capture::n_bad)
+        .def_readonly("name", &eesd::Capture::name)
+        .def(
+            "take",
+            [](eesd::Capture& self) {
+                py::array_t<float> out({static_cast<py::ssize_t>(self.n_rows), static_cast<py::ssize_t>(self.n_embd)});
+                std::copy(self.rows.begin(), self.rows.begin() + self.n_rows * self.n_embd, out.mutable_data());
+                self.reset();
+                return out;
+            },
+            "The rows captured since the last reset, as an (n_rows, n_embd) float32 array; then reset.");
+    m.def(
+        "embed_rows",
+        [](uintptr_t table, size_t row_bytes, int type, int64_t n_rows, int64_t n_embd, const std::vector<int32_t>& ids) {
+            // rows of a (possibly quantized) embedding table as float32, dequantized by ggml's own
+            // type traits: the very function the CPU backend's get_rows calls, so a model fed these
+            // rows computes what it computes from the token ids
+            const ggml_type_traits* tr = ggml_get_type_traits(static_cast<ggml_type>(type));
+            if (type != GGML_TYPE_F32 && (tr == nullptr || tr->to_float == nullptr))
+                throw py::value_error("cannot dequantize ggml type " + std::to_string(type));
+            py::array_t<float> out({static_cast<py::ssize_t>(ids.size()), static_cast<py::ssize_t>(n_embd)});
+            float* dst = out.mutable_data();
+            const char* base = reinterpret_cast<const char*>(table);
+            for (size_t i = 0; i < ids.size(); i++) {
+                if (ids[i] < 0 || ids[i] >= n_rows) throw py::value_error("token id " + std::to_string(ids[i]) + " out of range");
+                const char* row = base + static_cast<size_t>(ids[i]) * row_bytes;
+                if (type == GGML_TYPE_F32)
+                    std::memcpy(dst + i * n_embd, row, n_embd * sizeof(float));
+                else
+                    tr->to_float(row, dst + i * n_embd, n_embd);
+            }
+            return out;
+        },
+        py::arg("table"), py::arg("row_bytes"), py::arg("type"), py::arg("n_rows"), py::arg("n_embd"), py::arg("ids"),
+        "Rows ids of the embedding table at address table (n_rows rows of row_bytes bytes, ggml type) as float32.");
     m.def("round_limit", &eesd::round_limit, py::arg("draft_max"), py::arg("left"), py::arg("room"),
           "Most tokens a round may draft: max(0, min(draft_max, left - 1, room - 1)).");
     m.def("probs", &probs, py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"));

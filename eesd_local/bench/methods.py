@@ -9,6 +9,7 @@ its ``LlamaPromptLookupDecoding``, timed the same way from outside.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from collections.abc import Callable
@@ -23,7 +24,8 @@ PEER = "llama-cpp-python"
 PEER_LOOKUP = "llama-cpp-python-lookup"
 ENGINE_DRAFTERS = ("none", "auto", "eesd", "lookup", "draft-model", "hierarchical")
 METHOD_HELP = ("none, auto, eesd, eesd-fixed:K, lookup, draft-model, hierarchical (any drafter takes -fixed:K, or "
-               f"@CONTROLLER as in eesd@beta-ts), {PEER}, {PEER_LOOKUP}[:N]")
+               f"@CONTROLLER as in eesd@beta-ts; auto, eesd, hierarchical take -copy: the exit head as a separate "
+               f"draft model, not on the shared trunk), {PEER}, {PEER_LOOKUP}[:N]")
 # separate draft models of the same vocabulary, by target registry name
 DEFAULT_DRAFT_MODELS = {"qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-0.5b-instruct"}
 
@@ -34,6 +36,7 @@ class MethodSpec:
     drafter: str = "none"  # an engine drafter, or "peer"
     controller: str | None = None  # None: the engine's default controller
     peer_lookup: int = 0  # llama-cpp-python-lookup: num_pred_tokens (0 here: the default for the device)
+    shared_trunk: bool = True  # NAME-copy: the exit head as a separate draft model holding its own layers
 
     @property
     def is_peer(self) -> bool:
@@ -57,6 +60,9 @@ def parse_methods(text: str, controller: str | None = None) -> list[MethodSpec]:
 
 
 def _parse_one(name: str, controller: str | None) -> MethodSpec:
+    if name.endswith("-copy") and name[: -len("-copy")].split("-fixed:")[0].split("@")[0] in ("auto", "eesd", "hierarchical"):
+        inner = _parse_one(name[: -len("-copy")], controller)
+        return dataclasses.replace(inner, name=name, shared_trunk=False)
     if name in ENGINE_DRAFTERS:
         return MethodSpec(name, name, None if name == "none" else controller)
     drafter, at, ctl = name.partition("@")
@@ -131,12 +137,24 @@ class EngineMethod:
         self.model_bytes = int(engine.model.size_bytes) + (int(draft.size_bytes) if draft is not None else 0)
         # a model source's draft step, in target steps of weights read (lookup's drafts read nothing)
         self.draft_share: dict[str, float] = {}
+        self.trunk_share: float | None = None  # shared trunk: the trunk's part of a target token, timed
+        if engine.trunk is not None:  # the split target: its weights are the trunk+exit's and the tail's
+            self.model_bytes = sum(int(c.model.size_bytes) for c in (engine.ctx.trunk, engine.ctx.tail))
+            draft = engine.trunk.model
         if draft is not None:
             from ..heads.ggufraw import bytes_read_per_token
 
             share = bytes_read_per_token(Path(draft.path)) / max(1, bytes_read_per_token(Path(engine.model.path)))
             names = getattr(engine.drafter, "source_name", None)
             self.draft_share[names(1) if names else engine.drafter.name] = share
+
+    def measure_trunk(self, prompt: list[int]) -> None:
+        """Time the shared trunk's part of a target token (after the warm-up; the cache is left empty)."""
+        if self.engine.trunk is not None and len(prompt) >= 2:
+            from ..trunk import measure_trunk_share
+
+            with self.engine._lock:
+                self.trunk_share = measure_trunk_share(self.engine.ctx, prompt)
 
     def generate(self, prompt: list[int], s: Sampling) -> Turn:
         tokens: list[int] = []

@@ -67,6 +67,12 @@ def figures(res: Results, method: str, runs: list[Run], plain: dict[tuple[str, s
         "acceptance_by_position": [a / d if d else None for a, d in zip(a_at, d_at, strict=True)],
         "mean_draft_length": _div(drafted, rounds),
         "draft_cost": draft_cost,
+        # shared trunk: the part of a drafted token's cost beyond the trunk's (exit block + draft head),
+        # the whole draft cost less the trunk's timed share of a target token
+        "draft_cost_beyond_trunk": (draft_cost - info.trunk_share
+                                    if draft_cost is not None and info.trunk_share is not None
+                                    and not total.by_source.get("lookup", (0, 0, 0))[1] else None),
+        "trunk_share": info.trunk_share,
         "model_bytes": info.model_bytes,
         "memory_overhead": info.model_bytes - base.model_bytes,
         "rss_growth_bytes": info.rss_growth_bytes,

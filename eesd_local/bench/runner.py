@@ -90,6 +90,7 @@ class MethodInfo:
     rss_growth_bytes: int | None  # process RSS added by loading and warming this method
     # per model source: bytes its draft step reads over a target step's (the memory-bound projection)
     draft_share: dict[str, float] = field(default_factory=dict)
+    trunk_share: float | None = None  # shared trunk: a trunk step without logits over a target step (timed)
 
 
 @dataclass
@@ -160,6 +161,10 @@ def plan_methods(cfg: BenchConfig, model_path: Path) -> tuple[list[MethodSpec], 
     return specs, head, draft_model
 
 
+# the text a shared trunk's step is timed after (measure_trunk_share)
+_TRUNK_TEXT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n" * 3
+
+
 def open_method(spec: MethodSpec, cfg: BenchConfig, model_path: Path, head: str | None, draft_model: str | None,
                 ref: EngineMethod | None) -> Method:
     from ..api import load
@@ -170,7 +175,7 @@ def open_method(spec: MethodSpec, cfg: BenchConfig, model_path: Path, head: str 
         return PeerMethod(spec, model_path, n_ctx=cfg.n_ctx, n_threads=threads, n_gpu_layers=cfg.n_gpu_layers,
                           is_eog=ref.engine.model.is_eog)
     kw: dict = dict(drafter=spec.drafter, controller=spec.controller, draft_max=cfg.draft_max, n_ctx=cfg.n_ctx,
-                    n_gpu_layers=cfg.n_gpu_layers, n_threads=cfg.n_threads)
+                    n_gpu_layers=cfg.n_gpu_layers, n_threads=cfg.n_threads, shared_trunk=spec.shared_trunk)
     if spec.drafter in ("eesd", "hierarchical"):
         kw["head"] = head
     if spec.drafter == "auto" and cfg.head:  # else auto finds the model's shipped head itself, if any
@@ -297,8 +302,10 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> Results:
                 _warm_up(m, ref, cfg.warmup_tokens)
             rss1 = rss_bytes()
             growth = rss1 - rss0 if rss0 is not None and rss1 is not None else None
+            if isinstance(m, EngineMethod) and items:
+                m.measure_trunk(ref.engine.tokenize(_TRUNK_TEXT))
             res.methods[spec.name] = MethodInfo(spec.name, m.drafter, m.controller, m.model_bytes, growth,
-                                                dict(getattr(m, "draft_share", {})))
+                                                dict(getattr(m, "draft_share", {})), getattr(m, "trunk_share", None))
         assert ref is not None
         if cfg.cost_repeats > 0:
             from ..weights import COST_KS, batch_costs

@@ -16,7 +16,7 @@ from ..registry import DEFAULT_MODEL, known_models
 _DEFAULT = EngineConfig()
 # the EngineConfig fields that add_engine_args makes flags of (seed is the controller's, not sampling's --seed)
 ENGINE_FLAGS = ("model", "drafter", "head", "draft_model", "controller", "draft_max", "n_ctx", "n_gpu_layers", "n_threads",
-                "batch_ms")
+                "batch_ms", "shared_trunk")
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, positional_model: bool = False) -> None:
@@ -31,6 +31,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, positional_model: bool = Fals
                         "chosen each round by the controller)")
     p.add_argument("--head", help="exit-head GGUF path for the eesd drafter (default: the shipped head for the model)")
     p.add_argument("--draft-model", help="registry name or GGUF of a separate draft model (same vocabulary)")
+    p.add_argument("--shared-trunk", action=argparse.BooleanOptionalAction, default=_DEFAULT.shared_trunk,
+                   help="run the exit head on the target's own first N layers, split out of it (default); "
+                        "--no-shared-trunk: as a separate draft model holding its own copy of them")
     p.add_argument("--controller", default=None,
                    help="draft-length controller: cost-ts (default), beta-ts, calibration-ts, fixed:K, pmin:P, heuristic")
     p.add_argument("--draft-max", type=int, default=_DEFAULT.draft_max, help="most tokens drafted per round (default %(default)s)")

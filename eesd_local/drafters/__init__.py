@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 DRAFTERS = ["auto", "none", "eesd", "lookup", "draft-model", "hierarchical"]
 
 __all__ = ["DRAFTERS", "AutoDrafter", "Drafter", "NoDrafter", "Offer", "Proposal", "LookupDrafter", "make_drafter",
-           "n_sources"]
+           "n_sources", "shared_trunk_plan"]
 
 
 def n_sources(drafter: Any) -> int:
@@ -55,7 +55,31 @@ def resolve_head(spec: str) -> Any:
     return check_gguf(Path(spec).expanduser(), what="head")
 
 
-def make_drafter(config: Any, model: Model) -> tuple[Drafter, str]:
+def shared_trunk_plan(config: Any, model_path: Any) -> tuple[Any, int] | None:
+    """(exit head GGUF, exit layer) when the engine should run the target split around the exit
+    head's trunk (:mod:`..trunk`): a drafter that uses the exit head, a head known for the model,
+    a supported architecture and the native capture; else None (one full-model context)."""
+    from .. import heads
+    from ..native_round import _load
+    from ..trunk import check_split_arch
+
+    kind = config.drafter
+    if not getattr(config, "shared_trunk", True) or not isinstance(kind, str) or config.draft_model:
+        return None
+    if kind not in ("auto", "eesd", "hierarchical"):
+        return None
+    head = resolve_head(config.head) if config.head else heads.find_head(model_path)
+    if head is None:
+        return None
+    info = heads.read_head_info(head)
+    check_split_arch(info["arch"], model_path.name)
+    if _load()[0] is None:
+        return None  # no capture without the extension: the head runs as a separate draft model
+    return head, int(info["exit_layer"])
+
+
+def make_drafter(config: Any, model: Model, trunk: Any = None) -> tuple[Drafter, str]:
+    """``trunk``: the shared trunk+exit context of a split target; the exit head then drafts on it."""
     from .hierarchical import HierarchicalDrafter
     from .model import ModelDrafter
 
@@ -70,6 +94,8 @@ def make_drafter(config: Any, model: Model) -> tuple[Drafter, str]:
             path = resolve_model(config.draft_model)
             inner = ModelDrafter(path, model, name="draft-model", **common)
             return AutoDrafter(inner), f"drafter: auto (lookup or the draft model {path.name}, chosen per round)"
+        if trunk is not None:
+            return AutoDrafter(ModelDrafter.on_trunk(trunk)), "drafter: auto (lookup or the exit head on the shared trunk, chosen per round)"
         draft = _eesd_draft_path(config, model, required=False)
         if draft is None:
             return AutoDrafter(), "drafter: auto (lookup; no exit head is known for this model)"
@@ -79,6 +105,8 @@ def make_drafter(config: Any, model: Model) -> tuple[Drafter, str]:
         return NoDrafter(), "drafter: none (plain decoding)"
     if kind == "lookup":
         return LookupDrafter(), "drafter: lookup"
+    if kind == "eesd" and trunk is not None:
+        return ModelDrafter.on_trunk(trunk), "drafter: eesd (shared trunk)"
     if kind == "eesd":
         return ModelDrafter(_eesd_draft_path(config, model, required=True), model, name="eesd", **common), "drafter: eesd"
     if kind == "draft-model":
@@ -89,6 +117,8 @@ def make_drafter(config: Any, model: Model) -> tuple[Drafter, str]:
     # hierarchical: lookup guesses checked by the eesd draft (or the draft model when given)
     if config.draft_model:
         inner = ModelDrafter(resolve_model(config.draft_model), model, name="draft-model", **common)
+    elif trunk is not None:
+        inner = ModelDrafter.on_trunk(trunk)
     else:
         inner = ModelDrafter(_eesd_draft_path(config, model, required=True), model, name="eesd", **common)
     d = HierarchicalDrafter(inner)

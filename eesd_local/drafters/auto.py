@@ -47,7 +47,9 @@ class AutoDrafter:
             return self.model.propose(history, want_more, max_n, params, rng)
         return Proposal()
 
-    def native(self) -> NativeSpec:
+    def native(self) -> NativeSpec | None:
+        if self.model is not None and self.model.shared:
+            return None
         lookup = (self.lookup.ngram_min, self.lookup.ngram_max)
         return NativeSpec(draft_ctx=self.model.ctx if self.model is not None else None, lookup=lookup, choose=True)
 

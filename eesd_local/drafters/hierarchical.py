@@ -37,7 +37,9 @@ class HierarchicalDrafter:
         prop.source = self.name
         return prop
 
-    def native(self) -> NativeSpec:
+    def native(self) -> NativeSpec | None:
+        if self.inner.shared:
+            return None
         return NativeSpec(draft_ctx=self.inner.ctx, lookup=(self.lookup.ngram_min, self.lookup.ngram_max))
 
     def close(self) -> None:

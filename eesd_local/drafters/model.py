@@ -65,11 +65,23 @@ class ModelDrafter:
         # the draft's weights over the target's: what a token of catching up costs, roughly, against a target token
         self.weight_share = path.stat().st_size / max(1, Path(target.path).stat().st_size)
         self.ctx = Context(self.model, ContextParams(n_ctx=n_ctx, n_threads=n_threads))
+        self.shared = False
+
+    @classmethod
+    def on_trunk(cls, trunk: Context, *, name: str = "eesd") -> ModelDrafter:
+        """The exit head's draft on the shared trunk (:mod:`..trunk`): the target's own trunk+exit
+        context, which every verify keeps in step, so it never catches up and begins with nothing."""
+        self = cls.__new__(cls)
+        self.name, self.model, self.ctx, self.shared = name, trunk.model, trunk, True
+        self.weight_share = 0.0
+        return self
 
     def begin(self, prompt: list[int]) -> None:
         # the prompt (but its last token, which the first draft step feeds) goes in now, as part of
         # the request's prefill: caught up inside the first round it would count as draft time and
         # tell the controller that a drafted token costs as much as a whole prompt
+        if self.shared:
+            return  # the target's prefill ran the trunk
         ctx = self.ctx
         n0 = min(common_prefix(ctx.tokens, prompt), len(prompt) - 1)
         ctx.trim(n0)
@@ -101,11 +113,17 @@ class ModelDrafter:
             prop.t_catchup = time.perf_counter() - t0
             feed = feed[-1:]
         ctx.decode(feed + guesses, n_logits=len(guesses) + 1)
-        rows: list[np.ndarray] = list(ctx.logits_rows()) if guesses else [ctx.logits()]
+        # greedy on the shared trunk: argmax and confidence over the V' row itself, mapped to a target id
+        # (the same token as over the full row with -inf outside V', without writing 150k entries per step)
+        vmap = getattr(ctx, "vocab", None) if self.shared and params.greedy else None
+        row_of = getattr(ctx, "draft_logits") if vmap is not None else ctx.logits  # noqa: B009 (a TrunkContext's)
+        rows: list[np.ndarray] = [row_of(i) for i in range(len(guesses) + 1)] if guesses else [row_of(-1)]
         while True:
             j = len(prop)  # rows[j] is the distribution after history + prop
             g = guesses[j] if j < len(guesses) else None
             tok, q, conf = pick(rows[j], g, params, rng)
+            if vmap is not None:
+                tok = int(vmap[tok])
             prop.add(tok, q, conf)
             if len(prop) >= max_n or not want_more(len(prop), conf):
                 break
@@ -116,12 +134,13 @@ class ModelDrafter:
             if ctx.room() < 1:
                 break
             ctx.decode([tok])
-            rows = rows[: j + 1] + [ctx.logits()]
+            rows = rows[: j + 1] + [row_of(-1)]
         return prop
 
-    def native(self) -> NativeSpec:
-        return NativeSpec(draft_ctx=self.ctx)
+    def native(self) -> NativeSpec | None:
+        return None if self.shared else NativeSpec(draft_ctx=self.ctx)
 
     def close(self) -> None:
-        self.ctx.close()
-        self.model.close()
+        if not self.shared:  # the shared trunk belongs to the target
+            self.ctx.close()
+            self.model.close()

@@ -106,6 +106,8 @@ def model_info(path: Path) -> dict:
         "n_layer": int(_field(reader, f"{arch}.block_count", 0)),
         "n_embd": int(_field(reader, f"{arch}.embedding_length", 0)),
         "name": str(_field(reader, "general.name", Path(path).stem)),
+        # the rows of token_embd (the vocabulary's size as the weights see it)
+        "n_vocab": int(reader.tensors["token_embd.weight"].dims[1]) if "token_embd.weight" in reader.tensors else 0,
     }
 
 
@@ -288,14 +290,9 @@ def draft_key(base_fp: str, head_path: Path, lm_head_type: str) -> str:
     return digest.hexdigest()[:24]
 
 
-def build_draft(
-    base_path: Path, head_path: Path, *, force: bool = False, lm_head_type: str = "Q4_0", out_path: Path | None = None
-) -> Path:
-    """base GGUF + head -> draft GGUF in cache_dir('drafts'), built once and reused."""
-    import gguf
-
-    base_path = check_gguf(Path(base_path))
-    info = read_head_info(Path(head_path))
+def check_head_for(base_path: Path, head_path: Path) -> tuple[dict, str]:
+    """(head info, base fingerprint) after checking that the head was made for this base."""
+    info = read_head_info(head_path)
     base_fp = fingerprint(base_path)
     if info["base_fingerprint"] != base_fp:
         base = model_info(base_path)
@@ -304,18 +301,17 @@ def build_draft(
             f"{info['base_n_layer']} layers), not for {base_path.name} ({base['name']!r}, fingerprint {base_fp[:12]})",
             hint="use the head trained for this model, or train one: eesd heads train --model MODEL --exit-layer N -o HEAD",
         )
+    check_exit_layer(info["exit_layer"], info["base_n_layer"], str(base_path))
+    return info, base_fp
+
+
+def read_head_pair(base_path: Path, head_path: Path, info: dict) -> tuple[dict, ggufraw.GGUFHeader, ggufraw.GGUFHeader]:
+    """(base model info, base reader, head reader), checking the head has the exit block's tensors."""
     n = info["exit_layer"]
-    check_exit_layer(n, info["base_n_layer"], str(base_path))
-    if out_path is None:
-        out_path = cache_dir("drafts") / f"{base_path.stem}.exit{n}.{draft_key(base_fp, Path(head_path), lm_head_type)}.gguf"
-    out_path = Path(out_path)
-    if out_path.is_file() and not force:
-        return out_path
     base = model_info(base_path)
     check_exit_layer(n, base["n_layer"], str(base_path))
-    arch = base["arch"]
     breader = _reader(base_path)
-    hreader = _reader(Path(head_path))
+    hreader = _reader(head_path)
     missing = [k for k in (f"blk.{n}.attn_norm.weight", "output_norm.weight") if k not in hreader.tensors]
     if info.get("ffn_from_base_block") is None:
         missing += [f"blk.{n}.{p}" for p in FFN_PARTS if f"blk.{n}.{p}" not in hreader.tensors]
@@ -323,6 +319,26 @@ def build_draft(
         raise EesdError(
             f"the head {head_path} lacks tensors {missing}", hint="the head file is incomplete: retrain or re-download it"
         )
+    return base, breader, hreader
+
+
+def build_draft(
+    base_path: Path, head_path: Path, *, force: bool = False, lm_head_type: str = "Q4_0", out_path: Path | None = None
+) -> Path:
+    """base GGUF + head -> draft GGUF in cache_dir('drafts'), built once and reused."""
+    import gguf
+
+    base_path = check_gguf(Path(base_path))
+    info, base_fp = check_head_for(base_path, Path(head_path))
+    n = info["exit_layer"]
+    if out_path is None:
+        out_path = cache_dir("drafts") / f"{base_path.stem}.exit{n}.{draft_key(base_fp, Path(head_path), lm_head_type)}.gguf"
+    out_path = Path(out_path)
+    if out_path.is_file() and not force:
+        return out_path
+    base, breader, hreader = read_head_pair(base_path, Path(head_path), info)
+    arch = base["arch"]
+
     # metadata: the base's pairs byte for byte, block_count (and per-layer arrays) for N+1 blocks
     kv = []
     for key, raw in breader.kv_raw.items():
@@ -338,18 +354,7 @@ def build_draft(
     for name, t in breader.tensors.items():  # token_embd and blocks 0..N-1, byte for byte
         if name == "token_embd.weight" or any(name.startswith(f"blk.{i}.") for i in range(n)):
             tensors.append((name, t.dims, t.type, lambda name=name: breader.tensor_bytes(name)))
-    for name, t in hreader.tensors.items():
-        if name.startswith(f"blk.{n}.") or name in ("output_norm.weight", "output.weight"):
-            tensors.append((name, t.dims, t.type, lambda name=name: hreader.tensor_bytes(name)))
-    src_block = info.get("ffn_from_base_block")
-    if src_block is not None:  # a head that kept the base's MLP: take those tensors from the base, byte for byte
-        for part in FFN_PARTS:
-            if f"blk.{n}.{part}" not in hreader.tensors:
-                sname = f"blk.{int(src_block)}.{part}"
-                if sname not in breader.tensors:
-                    raise EesdError(f"the head {head_path} needs {sname} from the base, which {base_path.name} lacks")
-                st = breader.tensors[sname]
-                tensors.append((f"blk.{n}.{part}", st.dims, st.type, lambda sname=sname: breader.tensor_bytes(sname)))
+    tensors += exit_tensors(breader, hreader, info, base_path, head_path)
     if "output.weight" not in hreader.tensors:
         src = "output.weight" if "output.weight" in breader.tensors else "token_embd.weight"
         st = breader.tensors[src]
@@ -366,3 +371,25 @@ def build_draft(
         with open(tmp, "wb") as fh:
             ggufraw.write_gguf(fh, kv, tensors, alignment=breader.alignment)
     return out_path
+
+
+def exit_tensors(breader: ggufraw.GGUFHeader, hreader: ggufraw.GGUFHeader, info: dict, base_path: Path,
+                 head_path: Path) -> list:
+    """The exit block N, its output norm (and the head's own LM head, if it has one) as
+    (name, dims, type, data) entries for ggufraw.write_gguf; MLP parts the head kept from a base
+    block come from the base, byte for byte."""
+    n = info["exit_layer"]
+    tensors: list = []
+    for name, t in hreader.tensors.items():
+        if name.startswith(f"blk.{n}.") or name in ("output_norm.weight", "output.weight"):
+            tensors.append((name, t.dims, t.type, lambda name=name: hreader.tensor_bytes(name)))
+    src_block = info.get("ffn_from_base_block")
+    if src_block is not None:  # a head that kept the base's MLP: take those tensors from the base, byte for byte
+        for part in FFN_PARTS:
+            if f"blk.{n}.{part}" not in hreader.tensors:
+                sname = f"blk.{int(src_block)}.{part}"
+                if sname not in breader.tensors:
+                    raise EesdError(f"the head {head_path} needs {sname} from the base, which {base_path.name} lacks")
+                st = breader.tensors[sname]
+                tensors.append((f"blk.{n}.{part}", st.dims, st.type, lambda sname=sname: breader.tensor_bytes(sname)))
+    return tensors
