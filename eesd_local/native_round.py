@@ -101,11 +101,20 @@ class NativeRounds:
             raise EesdError(f"the native round loop cannot run here: {why or drafter.name}")
         self.mode = _mode(spec)
         self.draft_ctx = spec.draft_ctx
-        self.ctx, self.ctl, self.rng = ctx, controller, rng
+        self.ctl, self.rng = controller, rng
         self._native = native
+        split = getattr(ctx, "trunk", None) is not None  # the shared trunk's split target (trunk.py)
+        if split:  # the loop runs the tail as the target and the trunk as the draft context, whatever drafts
+            self.draft_ctx, ctx = ctx.trunk, ctx.tail  # type: ignore[attr-defined]
+        self.ctx = ctx
         draft = self.draft_ctx
-        self.rounds = native.Rounds(_open(ctx, "target"), ctx.n_batch, _open(draft, "draft") if draft else 0,
+        self.rounds = native.Rounds(_open(ctx, "target"), ctx.n_batch, 0 if split or not draft else _open(draft, "draft"),
                                     draft.n_batch if draft else 0, *addresses(), no_bonus_slot=L.NO_BONUS)
+        if split:
+            t = draft.table  # type: ignore[union-attr]
+            self.rounds.set_split(_open(draft, "trunk"), draft.n_batch, draft.capture.user_data,  # type: ignore[union-attr]
+                                  t._raw.ctypes.data, t.row_bytes, t.type, t.n_rows, t.n_embd,
+                                  [int(v) for v in draft.vocab], int(draft.target_model.ptr))  # type: ignore[union-attr]
         self.rounds.set_slots(L.OFFER_N, L.OFFER_CONF, L.BEHIND, L.SOURCE, L.T_CATCHUP)
         names = getattr(drafter, "source_name", None)
         self._names = {L.SRC_LOOKUP: names(L.SRC_LOOKUP) if names else drafter.name,

@@ -271,7 +271,9 @@ class TrunkContext(Context):
     the exit block) for the positions the tail has not taken yet."""
 
     def __init__(self, model: Model, params: ContextParams, exit_layer: int, table: EmbedTable, vocab: np.ndarray,
-                 n_vocab: int) -> None:
+                 target_model: Model) -> None:
+        n_vocab = target_model.n_vocab
+        self.target_model = target_model  # its vocabulary: end-of-generation tokens for the native loop
         self.capture = _native_capture(f"l_out-{exit_layer - 1}", model.n_embd)
         super().__init__(model, params, cb_eval=(self.capture.callback, self.capture.user_data), embd=table.n_embd)
         self.table, self.vocab, self.n_vocab = table, np.asarray(vocab, dtype=np.int64), n_vocab
@@ -292,6 +294,8 @@ class TrunkContext(Context):
             if len(rows) < got:
                 raise RuntimeError(f"the trunk captured {len(rows)} rows for {got} tokens")
             self._keep(pos0)
+            if self.h_base + len(self.h) != pos0:  # not contiguous (the native loop held the rows meanwhile)
+                self.h, self.h_base = self.h[:0], pos0
             self.h = np.concatenate([self.h, rows[:got]]) if len(self.h) else rows[:got].copy()
 
     def logits(self, row: int = -1) -> np.ndarray:
@@ -377,7 +381,7 @@ class SplitTarget:
         if trunk.n_past < base or trunk.tokens[:base] != self.tail.tokens:
             raise RuntimeError("the trunk context is out of step with the tail")
         # the rows the draft already computed for these tokens are reused; the rest are decoded now
-        have = trunk.tokens[base:]
+        have = trunk.tokens[base : trunk.h_base + len(trunk.h)] if trunk.h_base <= base else []  # with their rows held
         k = 0
         while k < min(len(have), n) and have[k] == tokens[k]:
             k += 1
@@ -422,7 +426,7 @@ def open_split(model: Model, head_path: Path, params: ContextParams, *, vocab_si
         release_unread(tail_path, ("token_embd.weight",))
     trunk = tail = None
     try:
-        trunk = TrunkContext(trunk_model, params, exit_layer, table, vocab, model.n_vocab)
+        trunk = TrunkContext(trunk_model, params, exit_layer, table, vocab, model)
         tail = Context(tail_model, params, embd=tail_model.n_embd)
         split = SplitTarget(model, trunk, tail)
     except BaseException:

@@ -49,4 +49,31 @@ inline bool capture_eval(struct ggml_tensor* t, bool ask, void* user) {
     return true;
 }
 
+// rows of a (possibly quantized) embedding table as float32, dequantized by ggml's own type
+// traits: the very function the CPU backend's get_rows calls, so a model fed these rows computes
+// what it computes from the token ids. Returns false for a type ggml cannot dequantize.
+struct EmbedTable {
+    const char* base = nullptr;  // n_rows rows of row_bytes bytes
+    size_t row_bytes = 0;
+    int type = 0;
+    int64_t n_rows = 0, n_embd = 0;
+
+    bool valid() const {
+        if (type == GGML_TYPE_F32) return true;
+        const ggml_type_traits* tr = ggml_get_type_traits(static_cast<ggml_type>(type));
+        return tr != nullptr && tr->to_float != nullptr;
+    }
+    // rows ids[0..n) into dst (n x n_embd); an id out of range is the caller's bug (checked by the caller)
+    void rows(const int32_t* ids, size_t n, float* dst) const {
+        const ggml_type_traits* tr = type == GGML_TYPE_F32 ? nullptr : ggml_get_type_traits(static_cast<ggml_type>(type));
+        for (size_t i = 0; i < n; i++) {
+            const char* row = base + static_cast<size_t>(ids[i]) * row_bytes;
+            if (tr == nullptr)
+                std::memcpy(dst + i * n_embd, row, n_embd * sizeof(float));
+            else
+                tr->to_float(row, dst + i * n_embd, n_embd);
+        }
+    }
+};
+
 }  // namespace eesd

@@ -29,16 +29,18 @@ struct Ctx {
     llama_memory_t mem = nullptr;
     llama_batch batch{};
     int n_batch = 0, n_ctx = 0, n_vocab = 0;
+    int embd = 0;  // > 0: fed rows of this width (llama_batch.embd) rather than token ids
     int out_base = 0;
     std::vector<llama_token> tokens;
 
-    void open(uintptr_t ptr, int batch_size) {
+    void open(uintptr_t ptr, int batch_size, int width = 0) {
         ctx = reinterpret_cast<llama_context*>(ptr);
         mem = llama_get_memory(ctx);
         n_batch = batch_size;
         n_ctx = static_cast<int>(llama_n_ctx(ctx));
         n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
-        batch = llama_batch_init(n_batch, 0, 1);
+        embd = width;
+        batch = llama_batch_init(n_batch, embd, 1);
     }
     void close() {
         if (ctx) llama_batch_free(batch);
@@ -53,8 +55,9 @@ struct Ctx {
     }
     const float* row(int r) const { return llama_get_logits_ith(ctx, out_base + r); }
 
-    // append toks with logits for the last n_logits, in n_batch chunks (Context.decode)
-    void decode(const llama_token* toks, int n, int n_logits, double& t_llama) {
+    // append toks with logits for the last n_logits, in n_batch chunks (Context.decode); an embd
+    // context is fed rows (n x embd) and toks only say what its cache holds
+    void decode(const llama_token* toks, int n, int n_logits, double& t_llama, const float* rows = nullptr) {
         if (n == 0) return;
         if (static_cast<int>(tokens.size()) + n > n_ctx)
             throw ContextFull("the context is full: " + std::to_string(tokens.size()) + " + " + std::to_string(n) +
@@ -66,8 +69,12 @@ struct Ctx {
             if (start + size < n && n - (start + size) < n_logits) size = std::max(1, n - start - n_logits);
             int first_out = n - n_logits - start;
             int pos0 = static_cast<int>(tokens.size());
+            if (embd > 0) {
+                if (rows == nullptr) throw std::invalid_argument("this context is fed embeddings");
+                std::copy(rows + static_cast<size_t>(start) * embd, rows + static_cast<size_t>(start + size) * embd, batch.embd);
+            }
             for (int i = 0; i < size; i++) {
-                batch.token[i] = toks[start + i];
+                if (embd == 0) batch.token[i] = toks[start + i];
                 batch.pos[i] = pos0 + i;
                 batch.n_seq_id[i] = 1;
                 batch.seq_id[i][0] = 0;

@@ -108,6 +108,18 @@ PYBIND11_MODULE(_native, m) {
             py::arg("offer_n"), py::arg("offer_conf"), py::arg("behind"), py::arg("source"), py::arg("t_catchup"),
             "Where the controller's state holds the offer, the chosen source and the catch-up seconds (-1: none).")
         .def("room", &PyRounds::room, "How many more tokens fit into the target context.")
+        .def(
+            "set_split",
+            [](PyRounds& self, uintptr_t trunk, int trunk_batch, uintptr_t capture, uintptr_t table, size_t row_bytes, int type,
+               int64_t n_rows, int64_t n_embd, std::vector<int32_t> vocab, uintptr_t target_model) {
+                eesd::EmbedTable t{reinterpret_cast<const char*>(table), row_bytes, type, n_rows, n_embd};
+                self.set_split(trunk, trunk_batch, reinterpret_cast<eesd::Capture*>(capture), t, std::move(vocab),
+                               reinterpret_cast<const llama_model*>(target_model));
+            },
+            py::arg("trunk"), py::arg("trunk_batch"), py::arg("capture"), py::arg("table"), py::arg("row_bytes"), py::arg("type"),
+            py::arg("n_rows"), py::arg("n_embd"), py::arg("vocab"), py::arg("target_model"),
+            "The target is split (trunk.py): this target context is the tail, fed the trunk's captured rows; the trunk "
+            "(the draft context, side 1) is fed the embedding table's rows and drafts over vocab (V').")
         .def("configure", &configure, py::arg("state"), py::arg("mode"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
              py::arg("rng_state"), py::arg("budget_s"), py::arg("cancel"),
              "The settings of run_batch(): controller state, mode, sampling, random state, time budget, cancel flag.")
@@ -141,27 +153,17 @@ PYBIND11_MODULE(_native, m) {
     m.def(
         "embed_rows",
         [](uintptr_t table, size_t row_bytes, int type, int64_t n_rows, int64_t n_embd, const std::vector<int32_t>& ids) {
-            // rows of a (possibly quantized) embedding table as float32, dequantized by ggml's own
-            // type traits: the very function the CPU backend's get_rows calls, so a model fed these
-            // rows computes what it computes from the token ids
-            const ggml_type_traits* tr = ggml_get_type_traits(static_cast<ggml_type>(type));
-            if (type != GGML_TYPE_F32 && (tr == nullptr || tr->to_float == nullptr))
-                throw py::value_error("cannot dequantize ggml type " + std::to_string(type));
+            eesd::EmbedTable t{reinterpret_cast<const char*>(table), row_bytes, type, n_rows, n_embd};
+            if (!t.valid()) throw py::value_error("cannot dequantize ggml type " + std::to_string(type));
+            for (int32_t id : ids)
+                if (id < 0 || id >= n_rows) throw py::value_error("token id " + std::to_string(id) + " out of range");
             py::array_t<float> out({static_cast<py::ssize_t>(ids.size()), static_cast<py::ssize_t>(n_embd)});
-            float* dst = out.mutable_data();
-            const char* base = reinterpret_cast<const char*>(table);
-            for (size_t i = 0; i < ids.size(); i++) {
-                if (ids[i] < 0 || ids[i] >= n_rows) throw py::value_error("token id " + std::to_string(ids[i]) + " out of range");
-                const char* row = base + static_cast<size_t>(ids[i]) * row_bytes;
-                if (type == GGML_TYPE_F32)
-                    std::memcpy(dst + i * n_embd, row, n_embd * sizeof(float));
-                else
-                    tr->to_float(row, dst + i * n_embd, n_embd);
-            }
+            t.rows(ids.data(), ids.size(), out.mutable_data());
             return out;
         },
         py::arg("table"), py::arg("row_bytes"), py::arg("type"), py::arg("n_rows"), py::arg("n_embd"), py::arg("ids"),
-        "Rows ids of the embedding table at address table (n_rows rows of row_bytes bytes, ggml type) as float32.");
+        "Rows ids of the embedding table at address table (n_rows rows of row_bytes bytes, ggml type) as float32, "
+        "dequantized by ggml's type traits (what get_rows computes).");
     m.def("round_limit", &eesd::round_limit, py::arg("draft_max"), py::arg("left"), py::arg("room"),
           "Most tokens a round may draft: max(0, min(draft_max, left - 1, room - 1)).");
     m.def("probs", &probs, py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"));

@@ -3,6 +3,7 @@
 
 #include "rounds.hpp"
 
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -36,13 +37,13 @@ void Rounds::one_round(int max_n, RoundOut& r) {
     size_t n_keep = tgt_.tokens.size() + 1;  // the cache keeps `last` ...
     batch_.assign(1, history_.back());
     batch_.insert(batch_.end(), drafted_.begin(), drafted_.begin() + (n_rows - 1));
-    tgt_.decode(batch_.data(), n_rows, n_rows, t_llama_);
+    target_decode(batch_.data(), n_rows, n_rows);
     int m = 0, nxt = 0;
     if (sp_.greedy)
         verify_greedy(k, bonus, m, nxt);
     else
         verify_sampled(k, bonus, m, nxt);
-    tgt_.trim(n_keep + std::min(m, n_rows - 1));  // ... and the accepted drafts it decoded; the rest is rolled back
+    target_trim(n_keep + std::min(m, n_rows - 1));  // ... and the accepted drafts it decoded; the rest is rolled back
     double t3 = now_s();
     r.m = m;
     r.nxt = nxt;
@@ -65,7 +66,7 @@ void Rounds::run_batch(size_t n_history, int draft_max, int left, int max_rounds
     check_call(n_history);
     draft_max = std::max(0, draft_max);
     check_fits(draft_max);
-    const llama_vocab* vocab = llama_model_get_vocab(llama_get_model(tgt_.ctx));
+    const llama_vocab* vocab = eog_vocab_ ? eog_vocab_ : llama_model_get_vocab(llama_get_model(tgt_.ctx));
     rec_tok_.clear();
     recs_.clear();
     double start = now_s();
@@ -162,7 +163,13 @@ llama_token Rounds::pick(const float* row, llama_token guess, size_t j, double& 
     if (sp_.greedy) {  // q is not needed: the confidence q(argmax) = 1 / sum_i exp(row[i] - row[argmax])
         int tok = argmax(row, n);
         conf = 1.0 / sum_exp_conf(row, n, row[tok]);
-        return tok;
+        return split_ ? vocab_[tok] : tok;  // the shared trunk drafts over V': its index i is target token vocab_[i]
+    }
+    if (split_) {  // q over the target's vocabulary: the V' row, -inf (q = 0) elsewhere (TrunkContext.logits)
+        full_.assign(n_target_, -std::numeric_limits<float>::infinity());
+        for (int i = 0; i < n; i++) full_[vocab_[i]] = row[i];
+        row = full_.data();
+        n = n_target_;
     }
     if (q_.size() <= j) q_.resize(j + 1);
     Dist& q = q_[j];
@@ -194,19 +201,19 @@ void Rounds::propose_model(int max_n, bool guesses) {
     size_t lim = std::min(d.tokens.size(), history_.size());
     while (common < lim && d.tokens[common] == history_[common]) common++;
     size_t n0 = std::min(common, history_.size() - 1);
-    d.trim(n0);
+    draft_trim(n0);
     feed_.assign(history_.begin() + n0, history_.end());
     int n_feed = static_cast<int>(feed_.size());
     int n_guess = std::max(0, std::min({max_n, d.room() - n_feed, static_cast<int>(guess.size())}));
     if (n_feed + n_guess > d.room()) return;
     if (n_feed > 1) {  // catching up on tokens emitted while it did not draft: timed apart (charged to resuming)
         double t0 = now_s();
-        d.decode(feed_.data(), n_feed - 1, 0, t_llama_);
+        draft_decode(feed_.data(), n_feed - 1, 0);
         t_catchup_ = now_s() - t0;
         feed_.erase(feed_.begin(), feed_.end() - 1);
     }
     feed_.insert(feed_.end(), guess.begin(), guess.begin() + n_guess);
-    d.decode(feed_.data(), static_cast<int>(feed_.size()), n_guess + 1, t_llama_);
+    draft_decode(feed_.data(), static_cast<int>(feed_.size()), n_guess + 1);
     int n_rows = n_guess + 1;
     int row_ofs = 0;  // rows[j] is the logit row (j - row_ofs) of the last decode
     while (true) {
@@ -217,10 +224,10 @@ void Rounds::propose_model(int max_n, bool guesses) {
         add(tok, false, conf);
         if (static_cast<int>(drafted_.size()) >= max_n || !decide_(st_, n_st_, drafted_.size(), conf)) break;
         if (tok == g && j + 1 < n_rows) continue;  // the next row was computed with g in place
-        d.trim(history_.size() + j);  // drop the guesses from j on: the KV holds history + drafts[:-1]
+        draft_trim(history_.size() + j);  // drop the guesses from j on: the KV holds history + drafts[:-1]
         n_guess = std::min(n_guess, j);
         if (d.room() < 1) break;
-        d.decode(&tok, 1, 1, t_llama_);
+        draft_decode(&tok, 1, 1);
         n_rows = j + 2;
         row_ofs = j + 1;
     }
@@ -286,6 +293,114 @@ void Rounds::verify_sampled(int k, bool bonus, int& m, int& nxt) {
     }
     probs_.compute(tgt_.row(k), n, sp_, p_);
     nxt = sample(p_, p_.v.data(), -1, rng_, blocks_);
+}
+
+// --- the shared trunk (trunk.py) -----------------------------------------------------
+
+// the draft context: with the shared trunk, fed the embedding rows of toks, its h_N rows kept
+// (TrunkContext.decode)
+void Rounds::draft_decode(const llama_token* toks, int n, int n_logits) {
+    if (!split_) {
+        dft_.decode(toks, n, n_logits, t_llama_);
+        return;
+    }
+    if (n == 0) return;
+    size_t pos0 = dft_.tokens.size();
+    for (int i = 0; i < n; i++)
+        if (toks[i] < 0 || toks[i] >= table_.n_rows) throw std::invalid_argument("token " + std::to_string(toks[i]) + " out of range");
+    emb_.resize(static_cast<size_t>(n) * table_.n_embd);
+    table_.rows(reinterpret_cast<const int32_t*>(toks), n, emb_.data());
+    cap_->reset();
+    try {
+        dft_.decode(toks, n, n_logits, t_llama_, emb_.data());
+    } catch (...) {
+        draft_trim(dft_.tokens.size());  // keep the rows of what llama.cpp kept
+        throw;
+    }
+    if (cap_->n_bad || cap_->n_rows < n) throw std::runtime_error("the trunk's capture of " + cap_->name + " failed");
+    // the rows are contiguous with those held (else start over from pos0: earlier ones are not needed)
+    size_t w = static_cast<size_t>(table_.n_embd);
+    if (h_base_ + h_.size() / w != pos0) {
+        h_.clear();
+        h_base_ = pos0;
+    }
+    h_.insert(h_.end(), cap_->rows.begin(), cap_->rows.begin() + static_cast<size_t>(n) * w);
+    cap_->reset();
+}
+
+void Rounds::draft_trim(size_t n_keep) {
+    dft_.trim(n_keep);
+    if (!split_) return;
+    size_t w = static_cast<size_t>(table_.n_embd);
+    size_t end = dft_.tokens.size();
+    if (end <= h_base_) {
+        h_.clear();
+        h_base_ = end;
+    } else if (h_.size() / w > end - h_base_) {
+        h_.resize((end - h_base_) * w);
+    }
+}
+
+// the target: with the shared trunk, the trunk decodes what it has not (reusing the rows the draft
+// computed), then the tail is fed those rows (SplitTarget.decode)
+void Rounds::target_decode(const llama_token* toks, int n, int n_logits) {
+    if (!split_) {
+        tgt_.decode(toks, n, n_logits, t_llama_);
+        return;
+    }
+    if (n == 0) return;
+    size_t base = tgt_.tokens.size();
+    if (dft_.tokens.size() < base) throw std::runtime_error("the trunk context is out of step with the tail");
+    size_t w = static_cast<size_t>(table_.n_embd);
+    size_t held = h_base_ <= base ? h_base_ + h_.size() / w : 0;  // rows held up to this position
+    size_t k = 0;
+    while (k < static_cast<size_t>(n) && base + k < dft_.tokens.size() && base + k < held && dft_.tokens[base + k] == toks[k]) k++;
+    draft_trim(base + k);
+    if (k < static_cast<size_t>(n)) draft_decode(toks + k, n - static_cast<int>(k), 0);
+    if (h_base_ > base || h_base_ + h_.size() / w < base + n) throw std::runtime_error("the trunk's rows are not held");
+    tgt_.decode(toks, n, n_logits, t_llama_, h_.data() + (base - h_base_) * w);
+    // rows before the tail's last position are not needed again (SplitTarget.forget_before)
+    size_t keep_from = tgt_.tokens.size() - 1;
+    if (keep_from > h_base_) {
+        size_t cut = std::min(keep_from - h_base_, h_.size() / w);
+        h_.erase(h_.begin(), h_.begin() + cut * w);
+        h_base_ += cut;
+    }
+}
+
+void Rounds::target_trim(size_t n_keep) {
+    tgt_.trim(n_keep);
+    if (split_) draft_trim(n_keep);  // drafts past the accepted ones go too
+}
+
+void Rounds::set_split(uintptr_t trunk, int trunk_batch, Capture* cap, const EmbedTable& table, std::vector<int32_t> vocab,
+                       const llama_model* target_model) {
+    if (!trunk || !cap || !table.base || !target_model) throw std::invalid_argument("set_split: null pointer");
+    if (!table.valid()) throw std::invalid_argument("set_split: the embedding table's type cannot be dequantized");
+    if (trunk_batch < 1) throw std::invalid_argument("batch sizes must be >= 1");
+    dft_.close();
+    dft_.open(trunk, trunk_batch, static_cast<int>(table.n_embd));
+    if (dft_.n_vocab != static_cast<int>(vocab.size())) throw std::invalid_argument("set_split: the trunk's vocabulary is not V'");
+    n_target_ = llama_vocab_n_tokens(llama_model_get_vocab(target_model));
+    for (int32_t v : vocab)
+        if (v < 0 || v >= n_target_) throw std::invalid_argument("set_split: a V' id is out of the target's vocabulary");
+    if (tgt_.n_vocab != n_target_) throw std::invalid_argument("set_split: the tail's vocabulary differs from the target's");
+    // the tail is fed rows: reopen its batch for embeddings
+    uintptr_t tail = reinterpret_cast<uintptr_t>(tgt_.ctx);
+    int tail_batch = tgt_.n_batch;
+    std::vector<llama_token> toks = std::move(tgt_.tokens);
+    int n_ctx = tgt_.n_ctx;
+    tgt_.close();
+    tgt_.open(tail, tail_batch, static_cast<int>(table.n_embd));
+    tgt_.tokens = std::move(toks);
+    tgt_.n_ctx = std::min(tgt_.n_ctx, n_ctx);
+    cap_ = cap;
+    table_ = table;
+    vocab_ = std::move(vocab);
+    eog_vocab_ = llama_model_get_vocab(target_model);
+    h_.clear();
+    h_base_ = dft_.tokens.size();
+    split_ = true;
 }
 
 // --- set-up and checks ----------------------------------------------------------------

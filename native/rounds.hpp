@@ -17,6 +17,7 @@
 #include <exception>
 #include <vector>
 
+#include "capture.hpp"
 #include "kv.hpp"
 #include "probs.hpp"
 
@@ -80,6 +81,12 @@ class Rounds {
     void set_lookup(int ngram_min, int ngram_max);
     // where the offer, the source and the catch-up time live in the controller's state
     void set_slots(const Slots& s) { slots_ = s; }
+    // The shared trunk (trunk.py's SplitTarget): the target context is the tail, fed the rows the
+    // trunk's capture copies out; the trunk (opened here as the draft context, side 1) is fed the
+    // table's embedding rows and drafts over vocab (V' ids in target numbering); end-of-generation
+    // tokens are the target model's (the tail has no tokenizer).
+    void set_split(uintptr_t trunk, int trunk_batch, Capture* cap, const EmbedTable& table, std::vector<int32_t> vocab,
+                   const llama_model* target_model);
 
     // The batches' settings: the controller's state (written in place), the drafting mode, the
     // sampling parameters, the random stream's state, the time budget of a batch, and a flag
@@ -116,6 +123,12 @@ class Rounds {
     void verify_greedy(int k, bool bonus, int& m, int& nxt);
     void verify_sampled(int k, bool bonus, int& m, int& nxt);
 
+    // the target's decode and rollback, and the draft context's, whether the target is split or not
+    void target_decode(const llama_token* toks, int n, int n_logits);
+    void target_trim(size_t n_keep);
+    void draft_decode(const llama_token* toks, int n, int n_logits);
+    void draft_trim(size_t n_keep);
+
     void check_call(size_t n_history);
     void check_mode(int mode) const;
     void check_fits(int max_n) const;
@@ -131,6 +144,17 @@ class Rounds {
     double t_catchup_ = 0.0;  // this round's draft model catch-up seconds
     int ngram_min_ = 0, ngram_max_ = 0;
     std::vector<llama_token> history_;
+
+    // the shared trunk (set_split)
+    bool split_ = false;
+    Capture* cap_ = nullptr;
+    EmbedTable table_;
+    std::vector<int32_t> vocab_;   // V' index -> target token
+    int n_target_ = 0;             // the target's vocabulary size
+    const llama_vocab* eog_vocab_ = nullptr;
+    std::vector<float> h_;         // h_N rows of trunk positions [h_base_, h_base_ + rows)
+    size_t h_base_ = 0;
+    std::vector<float> emb_, full_;  // scratch: embedding rows; a V' row spread over the target's vocabulary
 
     // configure(): the batches' settings
     bool configured_ = false;

@@ -64,6 +64,9 @@ DRAFTERS = {
     "hierarchical": dict(drafter="hierarchical", controller="fixed:3"),
     # a baseline controller does not choose: lookup drafts where it found a match, else the exit head
     "auto": dict(drafter="auto", controller="fixed:3"),
+    # the exit head as a separate draft model rather than on the shared trunk (trunk.py)
+    "eesd-copy": dict(drafter="eesd", controller="pmin:0.2", shared_trunk=False),
+    "auto-copy": dict(drafter="auto", controller="fixed:3", shared_trunk=False),
 }
 MESSAGES = [
     [{"role": "user", "content": "Rewrite this without the loop: total = 0\nfor x in xs:\n    total = total + x\nprint(total)"}],
@@ -80,7 +83,7 @@ def test_native_equals_python_on_the_demo_model(name, monkeypatch):
         drafted += _same_both_ways(eng, prompts[1], monkeypatch, sources, max_tokens=12, temperature=0.8, top_p=0.95, seed=7)
         drafted += _same_both_ways(eng, prompts[0], monkeypatch, sources, max_tokens=12, temperature=1.0, top_k=40, seed=3)
     assert name == "none" or drafted > 0, "nothing was drafted: the test would not test the drafter"
-    if name == "auto":
+    if name.startswith("auto"):
         assert sources == {"lookup", "eesd"}, f"both sources should draft here, saw {sources}"
 
 

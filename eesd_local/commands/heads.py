@@ -154,7 +154,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if rep["cost_ratio"] is not None:
         print(f"draft cost per token / target: {rep['cost_ratio']:.3f}")
     for cat, e in rep["categories"].items():
-        print(f"\n[{cat}] {e['sequences']} answers, {e['tokens']} tokens, top-1 agreement {e['agreement']:.3f}")
+        print(f"\n[{cat}] {e['sequences']} answers, {e['tokens']} tokens, top-1 agreement {e['agreement']:.3f} "
+              f"(over the shared trunk's V' of {rep['draft_vocab']}: {e['agreement_vprime']:.3f})")
         print("  k:          " + " ".join(f"{k:>6}" for k in range(1, 9)))
         print("  tau (runs): " + " ".join(f"{e['tau_runs'][k]:>6.2f}" for k in range(1, 9)))
         print("  tau (iid):  " + " ".join(f"{e['tau_iid'][k]:>6.2f}" for k in range(1, 9)))

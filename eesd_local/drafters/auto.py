@@ -48,8 +48,6 @@ class AutoDrafter:
         return Proposal()
 
     def native(self) -> NativeSpec | None:
-        if self.model is not None and self.model.shared:
-            return None
         lookup = (self.lookup.ngram_min, self.lookup.ngram_max)
         return NativeSpec(draft_ctx=self.model.ctx if self.model is not None else None, lookup=lookup, choose=True)
 

@@ -38,8 +38,6 @@ class HierarchicalDrafter:
         return prop
 
     def native(self) -> NativeSpec | None:
-        if self.inner.shared:
-            return None
         return NativeSpec(draft_ctx=self.inner.ctx, lookup=(self.lookup.ngram_min, self.lookup.ngram_max))
 
     def close(self) -> None:

@@ -138,7 +138,7 @@ class ModelDrafter:
         return prop
 
     def native(self) -> NativeSpec | None:
-        return None if self.shared else NativeSpec(draft_ctx=self.ctx)
+        return NativeSpec(draft_ctx=self.ctx)
 
     def close(self) -> None:
         if not self.shared:  # the shared trunk belongs to the target

@@ -70,8 +70,10 @@ def target_answers(model_path: Path, prompts_path: Path, *, max_new: int = 128, 
     return out
 
 
-def draft_agreement(draft_path: Path, answers_dir: Path, *, threads: int = 2) -> list[dict]:
-    """Per sequence: category and the boolean agreement of the draft's argmax on answer tokens."""
+def draft_agreement(draft_path: Path, answers_dir: Path, *, threads: int = 2, vocab: np.ndarray | None = None) -> list[dict]:
+    """Per sequence: category and the boolean agreement of the draft's argmax on answer tokens;
+    with ``vocab`` (the shared trunk's V') also ``agree_v``: the argmax over those rows only, which
+    is what the V' head computes (its rows are the same rows of the same requantized LM head)."""
     runner = teacher.LlamaRunner(Path(draft_path), n_parallel=1, n_ctx_per_seq=2048, threads=threads)
     out = []
     try:
@@ -80,16 +82,21 @@ def draft_agreement(draft_path: Path, answers_dir: Path, *, threads: int = 2) ->
                 tokens, offsets, n_prompt, cats, ids = z["tokens"], z["offsets"], z["n_prompt"], z["categories"], z["ids"]
             for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
                 seq = tokens[a:b].tolist()
-                preds = []
+                preds, preds_v = [], []
                 runner.clear_seq(0)
                 for c in range(0, len(seq) - 1, runner.n_batch):
                     chunk = seq[c : min(c + runner.n_batch, len(seq) - 1)]
                     logits = runner.decode([(t, c + j, 0) for j, t in enumerate(chunk)])
                     preds.append(logits.argmax(-1))
+                    if vocab is not None:
+                        preds_v.append(vocab[logits[:, vocab].argmax(-1)])
                 pred = np.concatenate(preds)  # pred[j] predicts seq[j+1]
                 p0 = int(n_prompt[i])
                 ok = pred[p0 - 1 :] == np.asarray(seq[p0:])
-                out.append({"id": str(ids[i]), "category": str(cats[i]), "agree": ok})
+                rec = {"id": str(ids[i]), "category": str(cats[i]), "agree": ok}
+                if vocab is not None:
+                    rec["agree_v"] = np.concatenate(preds_v)[p0 - 1 :] == np.asarray(seq[p0:])
+                out.append(rec)
     finally:
         runner.close()
     return out
@@ -144,14 +151,20 @@ def evaluate(
     threads: int = 2,
     cost: float | None = None,
     measure: bool = True,
+    vocab_size: int | None = None,
 ) -> dict:
+    from ..draftvocab import DRAFT_VOCAB, draft_vocab
+
     answers = target_answers(model_path, prompts_path, max_new=max_new, threads=threads)
     draft = build_draft(model_path, head_path)
-    per_seq = draft_agreement(draft, answers, threads=threads)
+    vocab = draft_vocab(model_path, vocab_size or DRAFT_VOCAB).astype(np.int64)
+    per_seq = draft_agreement(draft, answers, threads=threads, vocab=vocab)
     cats: dict[str, list[np.ndarray]] = {}
+    cats_v: dict[str, list[np.ndarray]] = {}
     for r in per_seq:
-        cats.setdefault(r["category"], []).append(r["agree"])
-        cats.setdefault("all", []).append(r["agree"])
+        for key in (r["category"], "all"):
+            cats.setdefault(key, []).append(r["agree"])
+            cats_v.setdefault(key, []).append(r["agree_v"])
     if cost is None and measure:
         cost = measure_cost(model_path, draft, threads=threads)
     report: dict = {
@@ -160,6 +173,7 @@ def evaluate(
         "draft": str(draft),
         "prompts": str(prompts_path),
         "cost_ratio": cost,
+        "draft_vocab": int(len(vocab)),
         "categories": {},
     }
     for cat, arrs in cats.items():
@@ -169,6 +183,8 @@ def evaluate(
             "sequences": len(arrs),
             "tokens": int(sum(len(x) for x in arrs)),
             "agreement": round(a, 4),
+            # the shared trunk's head over V' (the draft cannot propose a token outside it)
+            "agreement_vprime": round(float(np.mean(np.concatenate(cats_v[cat]))), 4) if cats_v[cat] else 0.0,
             "tau_runs": taus,
             "tau_iid": {k: round(tau_iid(a, k), 3) for k in range(1, 9)},
         }
