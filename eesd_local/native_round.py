@@ -111,10 +111,11 @@ class NativeRounds:
         self.rounds = native.Rounds(_open(ctx, "target"), ctx.n_batch, 0 if split or not draft else _open(draft, "draft"),
                                     draft.n_batch if draft else 0, *addresses(), no_bonus_slot=L.NO_BONUS)
         if split:
-            t = draft.table  # type: ignore[union-attr]
-            self.rounds.set_split(_open(draft, "trunk"), draft.n_batch, draft.capture.user_data,  # type: ignore[union-attr]
-                                  t._raw.ctypes.data, t.row_bytes, t.type, t.n_rows, t.n_embd,
-                                  [int(v) for v in draft.vocab], int(draft.target_model.ptr))  # type: ignore[union-attr]
+            trunk: Any = draft
+            t = trunk.table
+            self.rounds.set_split(_open(trunk, "trunk"), trunk.n_batch, trunk.capture.user_data, t._raw.ctypes.data,
+                                  t.row_bytes, t.type, t.n_rows, t.n_embd, [int(v) for v in trunk.vocab],
+                                  int(trunk.target_model.ptr))
         self.rounds.set_slots(L.OFFER_N, L.OFFER_CONF, L.BEHIND, L.SOURCE, L.T_CATCHUP)
         names = getattr(drafter, "source_name", None)
         self._names = {L.SRC_LOOKUP: names(L.SRC_LOOKUP) if names else drafter.name,
