@@ -348,6 +348,8 @@ class SplitTarget:
         self.trunk, self.tail = trunk, tail
         self.n_ctx = min(trunk.n_ctx, tail.n_ctx)
         self.n_batch = min(trunk.n_batch, tail.n_batch)
+        # the weights the split holds: both files' tensors but those it never reads (open_split)
+        self.weight_bytes = trunk.model.size_bytes + tail.model.size_bytes
 
     @property
     def ptr(self):  # noqa: D401 - the engine checks it is open
@@ -422,7 +424,10 @@ def open_split(model: Model, head_path: Path, params: ContextParams, *, vocab_si
     tail_model = Model(tail_path, n_gpu_layers=n_gpu_layers)
     from .heads import ggufraw
 
-    if "output.weight" in ggufraw.read_header(tail_path).tensors:  # untied: the tail never reads token_embd
+    tail_h = ggufraw.read_header(tail_path)
+    unread = 0  # weight bytes mapped but never read: an untied tail's token_embd (its input is the trunk's rows)
+    if "output.weight" in tail_h.tensors:
+        unread = tail_h.tensors["token_embd.weight"].nbytes
         release_unread(tail_path, ("token_embd.weight",))
     trunk = tail = None
     try:
@@ -437,6 +442,7 @@ def open_split(model: Model, head_path: Path, params: ContextParams, *, vocab_si
         tail_model.close()
         raise
     split._models = (trunk_model, tail_model)  # type: ignore[attr-defined]
+    split.weight_bytes = trunk_model.size_bytes + tail_model.size_bytes - unread
     return split
 
 

@@ -139,7 +139,8 @@ class EngineMethod:
         self.draft_share: dict[str, float] = {}
         self.trunk_share: float | None = None  # shared trunk: the trunk's part of a target token, timed
         if engine.trunk is not None:  # the split target: its weights are the trunk+exit's and the tail's
-            self.model_bytes = sum(int(c.model.size_bytes) for c in (engine.ctx.trunk, engine.ctx.tail))
+            # (the tail's token_embd of an untied model is mapped but never read, and not held: trunk.release_unread)
+            self.model_bytes = int(engine.ctx.weight_bytes)
             draft = engine.trunk.model
         if draft is not None:
             from ..heads.ggufraw import bytes_read_per_token
