@@ -79,7 +79,7 @@ class Engine:
         _check_int("draft_max", config.draft_max, 1, "--draft-max")
         self.model_path = resolve_model(config.model)
         # with the shared trunk the target's weights are the trunk's and the tail's: its own load is vocabulary only
-        plan = shared_trunk_plan(config, self.model_path)
+        plan, no_split = shared_trunk_plan(config, self.model_path)
         self.model = Model(self.model_path, n_gpu_layers=config.n_gpu_layers, vocab_only=plan is not None)
         self.drafter: Drafter = NoDrafter()
         self.drafter_note = ""
@@ -95,6 +95,8 @@ class Engine:
                 raise EesdError(f"a draft of up to {config.draft_max} tokens does not fit the target's batch of "
                                 f"{self.ctx.n_batch} tokens", hint=f"use --draft-max {self.ctx.n_batch - 1} or less")
             self.drafter, self.drafter_note = make_drafter(config, self.model, self.trunk)
+            if no_split:
+                self.drafter_note += f"; {no_split}: the exit head runs as a separate draft model"
             self.controller = _make_controller(config.controller, config.draft_max, config.seed, n_sources(self.drafter))
         except BaseException:
             self.close()

@@ -13,6 +13,7 @@ import threading
 import pytest
 
 import eesd_local
+from eesd_local import lossless
 from eesd_local.errors import EesdError
 from eesd_local.events import FinishEvent, TokenEvent
 
@@ -239,12 +240,21 @@ def test_randomised_interleaving(loop, reference):
     kept: list[tuple[object, str, int, list[int]]] = []  # (generator, prompt, max_tokens, tokens seen)
     owner = None  # the kept generator that no later generation or close has ended
 
+    def same(p: str, want: list[int], got: list[int]) -> None:
+        """got == want, or (a reused prefix was computed in another batch shape than a fresh
+        prefill) the first difference is a certified near tie of the target's top two logits;
+        which CPU's rounding takes which branch of a near tie is not part of the contract."""
+        if got != want:
+            div = lossless.compare(eng.model, eng.tokenize(p), want, got, n_ctx=512)
+            assert div is None or div.near_tie, (p, want, got, div)
+
     def check(p: str, m: int, toks: list[int], fin: FinishEvent) -> None:
         want = reference[p][:m]
         if fin.reason == "cancelled":
-            assert toks == want[: len(toks)], (p, m)
+            same(p, want[: len(toks)], toks)
         else:
-            assert toks == want, (p, m, fin.reason)
+            assert len(toks) == len(want) or fin.reason == "stop", (p, m, fin.reason)
+            same(p, want, toks)
 
     try:
         for _ in range(steps):
@@ -265,7 +275,7 @@ def test_randomised_interleaving(loop, reference):
                         if rnd.random() < 0.3:
                             broke = True
                             break
-                assert seen == reference[p][: len(seen)]
+                same(p, reference[p][: len(seen)], seen)
                 if op == "keep" and broke:
                     kept.append((g, p, m, seen))
                     owner = g

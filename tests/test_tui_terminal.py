@@ -58,8 +58,11 @@ def test_eesd_chat_in_tmux(qwen05_path, tmp_path):
         head = next(i for i, line in enumerate(left) if "assistant · lookup / fixed:4" in line)
         end = next(i for i, line in enumerate(left) if " tokens · drafted" in line)
         assert PROMPT in screen and head < end and any(line.strip() for line in left[head + 1:end])
-        rows = {line.split("│")[-2].split()[0]: line.split("│")[-2].split()[1:] for line in screen.splitlines()
-                if line.count("│") >= 2 and line.split("│")[-2].split()}
+        rows: dict[str, list[str]] = {}
+        for line in screen.splitlines():  # the panel's rows, first one of each label ("drafted", then "drafted by source")
+            cells = line.split("│")[-2].split() if line.count("│") >= 2 else []
+            if cells:
+                rows.setdefault(cells[0], cells[1:])
         assert int(rows["drafted"][0]) > 0 and int(rows["accepted"][0]) > 0
         assert "P(accept)" in screen and "draft length per round" in screen and "ready" in screen
 

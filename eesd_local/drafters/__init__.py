@@ -55,27 +55,30 @@ def resolve_head(spec: str) -> Any:
     return check_gguf(Path(spec).expanduser(), what="head")
 
 
-def shared_trunk_plan(config: Any, model_path: Any) -> tuple[Any, int] | None:
-    """(exit head GGUF, exit layer) when the engine should run the target split around the exit
-    head's trunk (:mod:`..trunk`): a drafter that uses the exit head, a head known for the model,
-    a supported architecture and the native capture; else None (one full-model context)."""
+def shared_trunk_plan(config: Any, model_path: Any) -> tuple[tuple[Any, int] | None, str]:
+    """((exit head GGUF, exit layer), "") when the engine should run the target split around the
+    exit head's trunk (:mod:`..trunk`): a drafter that uses the exit head, a head made for this
+    model, a supported architecture and the native capture; else (None, why not) and one
+    full-model context (the head, if any, then runs as a separate draft model)."""
     from .. import heads
+    from ..heads.headfile import check_head_for
     from ..native_round import _load
-    from ..trunk import check_split_arch
+    from ..trunk import SPLIT_ARCHS
 
     kind = config.drafter
     if not getattr(config, "shared_trunk", True) or not isinstance(kind, str) or config.draft_model:
-        return None
+        return None, ""
     if kind not in ("auto", "eesd", "hierarchical"):
-        return None
+        return None, ""
     head = resolve_head(config.head) if config.head else heads.find_head(model_path)
     if head is None:
-        return None
-    info = heads.read_head_info(head)
-    check_split_arch(info["arch"], model_path.name)
+        return None, ""
+    info, _ = check_head_for(model_path, head)  # a head for another model: its own clear error
+    if info["arch"] not in SPLIT_ARCHS:
+        return None, f"no shared trunk for {info['arch']} models (it runs {' and '.join(SPLIT_ARCHS)})"
     if _load()[0] is None:
-        return None  # no capture without the extension: the head runs as a separate draft model
-    return head, int(info["exit_layer"])
+        return None, "no shared trunk without the native extension"  # the capture is in C++
+    return (head, int(info["exit_layer"])), ""
 
 
 def make_drafter(config: Any, model: Model, trunk: Any = None) -> tuple[Drafter, str]:
@@ -95,7 +98,7 @@ def make_drafter(config: Any, model: Model, trunk: Any = None) -> tuple[Drafter,
             inner = ModelDrafter(path, model, name="draft-model", **common)
             return AutoDrafter(inner), f"drafter: auto (lookup or the draft model {path.name}, chosen per round)"
         if trunk is not None:
-            return AutoDrafter(ModelDrafter.on_trunk(trunk)), "drafter: auto (lookup or the exit head on the shared trunk, chosen per round)"
+            return AutoDrafter(ModelDrafter.on_trunk(trunk)), "drafter: auto (lookup or the exit head, chosen per round; shared trunk)"
         draft = _eesd_draft_path(config, model, required=False)
         if draft is None:
             return AutoDrafter(), "drafter: auto (lookup; no exit head is known for this model)"
