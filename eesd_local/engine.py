@@ -44,7 +44,10 @@ class EngineConfig:
     n_threads: int | None = None
     seed: int = 0  # the controller's seed
     batch_ms: float = BATCH_MS  # native loop: run rounds this long before Python takes them; 0 = one at a time
-    shared_trunk: bool = True  # run the exit head on the target's own first N layers (trunk.py), not a copy
+    # run the exit head on the target's own first N layers (trunk.py) rather than a separate copy of them:
+    # None (default): for eesd and hierarchical, not for auto (on a CPU a split target's plain round costs
+    # ~5% more, and auto mostly runs plain or lookup rounds there; its model drafter stays lazy instead)
+    shared_trunk: bool | None = None
 
 
 class _Generation:

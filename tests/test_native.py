@@ -64,9 +64,9 @@ DRAFTERS = {
     "hierarchical": dict(drafter="hierarchical", controller="fixed:3"),
     # a baseline controller does not choose: lookup drafts where it found a match, else the exit head
     "auto": dict(drafter="auto", controller="fixed:3"),
-    # the exit head as a separate draft model rather than on the shared trunk (trunk.py)
+    # the exit head as a separate draft model (eesd's default is the shared trunk, trunk.py; auto's is the copy)
     "eesd-copy": dict(drafter="eesd", controller="pmin:0.2", shared_trunk=False),
-    "auto-copy": dict(drafter="auto", controller="fixed:3", shared_trunk=False),
+    "auto-shared": dict(drafter="auto", controller="fixed:3", shared_trunk=True),
 }
 MESSAGES = [
     [{"role": "user", "content": "Rewrite this without the loop: total = 0\nfor x in xs:\n    total = total + x\nprint(total)"}],

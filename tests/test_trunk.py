@@ -144,6 +144,11 @@ def test_the_engine_runs_eesd_on_the_split_target():
         assert 0 < len(toks) <= 12
     with eesd_local.load(QWEN05, drafter="eesd", n_ctx=1024, shared_trunk=False) as eng:
         assert not isinstance(eng.ctx, trunk.SplitTarget) and eng.trunk is None
+    # auto keeps its model drafter lazy by default (a split's plain rounds cost more on a CPU); asked, it splits
+    with eesd_local.load(QWEN05, drafter="auto", n_ctx=1024) as eng:
+        assert eng.trunk is None and not eng.model.vocab_only
+    with eesd_local.load(QWEN05, drafter="auto", n_ctx=1024, shared_trunk=True) as eng:
+        assert eng.trunk is not None and eng.drafter.model.ctx is eng.trunk
 
 
 # --- bad input -------------------------------------------------------------------------

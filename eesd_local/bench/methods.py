@@ -25,7 +25,7 @@ PEER_LOOKUP = "llama-cpp-python-lookup"
 ENGINE_DRAFTERS = ("none", "auto", "eesd", "lookup", "draft-model", "hierarchical")
 METHOD_HELP = ("none, auto, eesd, eesd-fixed:K, lookup, draft-model, hierarchical (any drafter takes -fixed:K, or "
                f"@CONTROLLER as in eesd@beta-ts; auto, eesd, hierarchical take -copy: the exit head as a separate "
-               f"draft model, not on the shared trunk), {PEER}, {PEER_LOOKUP}[:N]")
+               f"draft model, or -shared: on the shared trunk), {PEER}, {PEER_LOOKUP}[:N]")
 # separate draft models of the same vocabulary, by target registry name
 DEFAULT_DRAFT_MODELS = {"qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-0.5b-instruct"}
 
@@ -36,7 +36,7 @@ class MethodSpec:
     drafter: str = "none"  # an engine drafter, or "peer"
     controller: str | None = None  # None: the engine's default controller
     peer_lookup: int = 0  # llama-cpp-python-lookup: num_pred_tokens (0 here: the default for the device)
-    shared_trunk: bool = True  # NAME-copy: the exit head as a separate draft model holding its own layers
+    shared_trunk: bool | None = None  # NAME-copy / NAME-shared: the exit head as a separate draft model / on the shared trunk
 
     @property
     def is_peer(self) -> bool:
@@ -60,9 +60,10 @@ def parse_methods(text: str, controller: str | None = None) -> list[MethodSpec]:
 
 
 def _parse_one(name: str, controller: str | None) -> MethodSpec:
-    if name.endswith("-copy") and name[: -len("-copy")].split("-fixed:")[0].split("@")[0] in ("auto", "eesd", "hierarchical"):
-        inner = _parse_one(name[: -len("-copy")], controller)
-        return dataclasses.replace(inner, name=name, shared_trunk=False)
+    for suffix, shared in (("-copy", False), ("-shared", True)):
+        if name.endswith(suffix) and name[: -len(suffix)].split("-fixed:")[0].split("@")[0] in ("auto", "eesd", "hierarchical"):
+            inner = _parse_one(name[: -len(suffix)], controller)
+            return dataclasses.replace(inner, name=name, shared_trunk=shared)
     if name in ENGINE_DRAFTERS:
         return MethodSpec(name, name, None if name == "none" else controller)
     drafter, at, ctl = name.partition("@")

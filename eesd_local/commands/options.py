@@ -32,8 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, positional_model: bool = Fals
     p.add_argument("--head", help="exit-head GGUF path for the eesd drafter (default: the shipped head for the model)")
     p.add_argument("--draft-model", help="registry name or GGUF of a separate draft model (same vocabulary)")
     p.add_argument("--shared-trunk", action=argparse.BooleanOptionalAction, default=_DEFAULT.shared_trunk,
-                   help="run the exit head on the target's own first N layers, split out of it (default); "
-                        "--no-shared-trunk: as a separate draft model holding its own copy of them")
+                   help="run the exit head on the target's own first N layers, split out of it (default for eesd and "
+                        "hierarchical; auto keeps a lazy separate draft model unless this is given); "
+                        "--no-shared-trunk: always as a separate draft model holding its own copy of them")
     p.add_argument("--controller", default=None,
                    help="draft-length controller: cost-ts (default), beta-ts, calibration-ts, fixed:K, pmin:P, heuristic")
     p.add_argument("--draft-max", type=int, default=_DEFAULT.draft_max, help="most tokens drafted per round (default %(default)s)")

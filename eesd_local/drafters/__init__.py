@@ -66,7 +66,10 @@ def shared_trunk_plan(config: Any, model_path: Any) -> tuple[tuple[Any, int] | N
     from ..trunk import SPLIT_ARCHS
 
     kind = config.drafter
-    if not getattr(config, "shared_trunk", True) or not isinstance(kind, str) or config.draft_model:
+    wanted = getattr(config, "shared_trunk", None)
+    if wanted is None:  # the default: where the exit head drafts every round it may (see EngineConfig.shared_trunk)
+        wanted = kind in ("eesd", "hierarchical")
+    if not wanted or not isinstance(kind, str) or config.draft_model:
         return None, ""
     if kind not in ("auto", "eesd", "hierarchical"):
         return None, ""
