@@ -66,6 +66,7 @@ class Mismatch:
     other_token: int
     gap: float  # none's logit of its token minus that of the other's token
     near_tie: bool
+    batch: int = 0  # > 0: certified by a batch of this many tokens choosing the other token (lossless.compare)
 
 
 @dataclass
@@ -220,11 +221,12 @@ def certify(ref: EngineMethod, plain: Run, other: Run, s: Sampling, n_ctx: int) 
     for t, (pa, pb, ta, tb) in enumerate(zip(plain.prompts, other.prompts, plain.turns, other.turns, strict=False)):
         if pa != pb or ta.tokens == tb.tokens:
             continue  # (prompts differ only after an earlier turn diverged, which was returned)
-        div = lossless.compare(model, pa, ta.tokens, tb.tokens, n_ctx=n_ctx)
+        div = lossless.compare(model, pa, ta.tokens, tb.tokens, n_ctx=n_ctx, max_batch=ref.engine.config.draft_max + 1)
         if div is None:
             div = _stop_divergence(model, pa, ta.tokens, tb.tokens, s.max_tokens, n_ctx)
         if div is not None:
-            return Mismatch(other.item, other.repeat, t, div.index, div.plain_token, div.other_token, div.gap, div.near_tie)
+            return Mismatch(other.item, other.repeat, t, div.index, div.plain_token, div.other_token, div.gap, div.near_tie,
+                            div.batch)
     return None
 
 
