@@ -24,6 +24,10 @@ per token: 3.5 KB for the 0.5B, a few microseconds over PCIe) and the tail's emb
 uploads it again; llama.cpp has no API that hands a tensor from one context to another on
 the device, so a round copies (k+1) rows down and up: tiny next to a target step.
 
+Both round loops run the split: :class:`SplitTarget` and :class:`TrunkContext` are the reference,
+the native loop's ``Rounds::set_split`` (native/rounds.cpp) its C++ twin, and tests/test_native.py
+checks that they give the same events (greedy and seeded sampling, probe rounds).
+
 Architectures: the ones whose graph names ``l_out-{il}`` and feeds embeddings into layer 0
 unscaled (qwen2, llama); others raise a clear error.
 """
@@ -195,6 +199,7 @@ def release_unread(path: Path, names: tuple[str, ...]) -> int:
     untied model fed embeddings. Linux only (elsewhere nothing happens); the file stays mapped, so
     a page that is read after all comes back from the page cache. Returns the bytes released."""
     import ctypes
+    import mmap
     import sys
 
     from .heads import ggufraw
@@ -214,7 +219,7 @@ def release_unread(path: Path, names: tuple[str, ...]) -> int:
     except OSError:
         return 0
     libc = ctypes.CDLL(None, use_errno=True)
-    page = 4096
+    page = mmap.PAGESIZE
     released = 0
     for name in names:
         t = h.tensors.get(name)
@@ -352,7 +357,7 @@ class SplitTarget:
         self.weight_bytes = trunk.model.size_bytes + tail.model.size_bytes
 
     @property
-    def ptr(self):  # noqa: D401 - the engine checks it is open
+    def ptr(self):  # the engine checks it is open
         return self.tail.ptr if self.trunk.ptr else None
 
     @property
@@ -380,7 +385,7 @@ class SplitTarget:
             return 0
         base = self.tail.n_past
         trunk = self.trunk
-        if trunk.n_past < base or trunk.tokens[:base] != self.tail.tokens:
+        if trunk.n_past < base:  # (as the native loop checks: comparing the records would copy the history each round)
             raise RuntimeError("the trunk context is out of step with the tail")
         # the rows the draft already computed for these tokens are reused; the rest are decoded now
         have = trunk.tokens[base : trunk.h_base + len(trunk.h)] if trunk.h_base <= base else []  # with their rows held
