@@ -4,9 +4,15 @@ an isolated EESD_HOME for tests that write to the cache."""
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
+
+# a suite started in the background by a script (`bash scripts/test.sh &`) inherits SIGINT ignored, and
+# every process it starts would too: the Ctrl-C tests then see their SIGINT dropped. Handling it here
+# (Python's own handler) gives the children SIGINT's default back across exec.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # set before llama.cpp loads: idle OpenMP threads sleep instead of spinning, which keeps
 # tests fair on a shared machine (results are the same either way)

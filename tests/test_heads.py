@@ -338,3 +338,81 @@ def test_cli_train_info_build_on_tiny_model(tiny, tmp_path, capsys):
     assert "was made for" in capsys.readouterr().err
     assert main(["heads", "train", "--model", str(base), "--exit-layer", "9", "-o", str(tmp_path / "x.gguf")]) == 2
     assert "outside" in capsys.readouterr().err
+
+
+def test_distill_loss_over_the_draft_vocabulary_gives_no_mass_outside_it():
+    torch = pytest.importorskip("torch")
+    from eesd_local.heads.train import distill_loss
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(5, 8, generator=g)
+    lm_w = torch.randn(50, 8, generator=g)
+    ids = torch.tensor([[3, 7, 11, 20]] * 5)
+    logp = torch.log_softmax(torch.randn(5, 4, generator=g), -1)
+    neg = torch.tensor([1, 2, 30, 40])
+    keep = torch.tensor([[True, False, True, True]] * 5)  # token 7 is outside V'
+    loss, _ = distill_loss(z, lm_w, ids, logp, neg, keep)
+    # the same loss written out: teacher renormalised over the kept ids, student softmax over kept ids + negatives
+    kept = torch.tensor([3, 11, 20])
+    p = torch.softmax(logp[:, [0, 2, 3]], -1)
+    logits = z @ lm_w[torch.cat([kept, neg])].T
+    ref = -(p * torch.log_softmax(logits, -1)[:, :3]).sum(1).mean()
+    assert torch.isfinite(loss) and abs(float(loss) - float(ref)) < 1e-4
+    # nothing kept outside V' changes the loss when its logit moves
+    lm_w2 = lm_w.clone()
+    lm_w2[7] += 5.0
+    loss2, _ = distill_loss(z, lm_w2, ids, logp, neg, keep)
+    assert abs(float(loss2) - float(loss)) < 1e-6
+
+
+def test_mixes_are_named_and_unknown_ones_refused():
+    from eesd_local.heads import data
+
+    assert data.DEFAULT_MIX in data.MIXES
+    with pytest.raises(EesdError, match="unknown training mix"):
+        data.mix_items("nope")
+
+
+@needs_demo
+def test_training_over_a_draft_vocabulary_and_a_deadline(tiny, tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    import eesd_local.draftvocab as dv
+    from eesd_local.heads import train
+
+    base = tiny[0]
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(1)
+    n_seq, L, K = 60, 40, 8
+    tokens = rng.integers(0, 400, n_seq * L).astype(np.int32)
+    ids = rng.integers(0, 400, (n_seq * L, K)).astype(np.int32)
+    logp = np.sort(rng.normal(size=(n_seq * L, K)), 1)[:, ::-1].astype(np.float16)
+    np.savez(
+        data / "teacher-00000.npz",
+        tokens=tokens,
+        offsets=np.arange(0, n_seq * L + 1, L),
+        n_prompt=np.full(n_seq, 4, np.int32),
+        topk_ids=ids,
+        topk_logp=logp,
+        ids=np.array([f"s{i}" for i in range(n_seq)]),
+        categories=np.array(["chat"] * n_seq),
+    )
+    train.cache_trunk_states(base, data, (1,), threads=1)
+    vprime = np.arange(0, 400, 2, dtype=np.int32)  # V': the even ids
+    monkeypatch.setattr(dv, "draft_vocab", lambda path, size=0, force=False: vprime)
+    seen = []
+    real = train.agreement
+
+    def spy(head, lm_w, seqs, max_seqs=64, vocab=None):
+        seen.append(vocab)
+        return real(head, lm_w, seqs, max_seqs, vocab)
+
+    monkeypatch.setattr(train, "agreement", spy)
+    cfg = train.TrainConfig(
+        exit_layer=1, epochs=40, batch_tokens=160, top_k=K, negatives=32, threads=1, eval_every=1000, draft_vocab=200
+    )
+    # a deadline that leaves room for ~nothing beyond the first steps: the schedule is cut to fit
+    deadline = time.time() + train.FINAL_EVAL_S + 1.0
+    s = train.train_head(base, data, tmp_path / "h.gguf", cfg, use_bar=False, log=lambda m: None, deadline=deadline)
+    assert s["planned_steps"] > 100 and 10 <= s["steps"] < s["planned_steps"]
+    assert seen and all(v is not None and set(v.tolist()) == set(vprime.tolist()) for v in seen)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ..errors import EesdError
+from ..heads.data import DEFAULT_MIX, DEFAULT_TRAIN_VOCAB, MIXES
 
 
 def register(subparsers) -> None:
@@ -27,14 +28,29 @@ def register(subparsers) -> None:
     t.add_argument("-o", "--output", required=True, type=Path, help="head GGUF to write")
     t.add_argument("--data", type=Path, default=None, help="directory of teacher shards (default: the cache, per model)")
     t.add_argument(
-        "--tokens", type=int, default=60000, help="teacher tokens to generate/have on disk before training (default 60000)"
+        "--minutes",
+        type=float,
+        default=55.0,
+        help="wall-clock budget for the whole run (teacher, trunk states, training; default 55): the teacher "
+        "stops when the training of what it made would overrun it, and training shortens its schedule to fit",
+    )
+    t.add_argument(
+        "--tokens", type=int, default=None, help="at most this many teacher tokens on disk (default: as many as --minutes allows)"
     )
     t.add_argument("--teacher-minutes", type=float, default=None, help="stop generating teacher data after this long")
+    t.add_argument("--mix", choices=sorted(MIXES), default=DEFAULT_MIX, help=f"training data (default {DEFAULT_MIX})")
+    t.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=DEFAULT_TRAIN_VOCAB,
+        help=f"train the softmax over the shared trunk's draft vocabulary of this size (default {DEFAULT_TRAIN_VOCAB}; "
+        "0: the full vocabulary)",
+    )
     t.add_argument("--epochs", type=float, default=3.0)
     t.add_argument("--lr", type=float, default=3e-4)
     t.add_argument("--batch-tokens", type=int, default=2048)
     t.add_argument("--threads", type=int, default=2)
-    t.add_argument("--parallel", type=int, default=8, help="sequences the teacher generates together")
+    t.add_argument("--parallel", type=int, default=16, help="sequences the teacher generates together")
     t.add_argument("--max-new", type=int, default=320, help="answer tokens the teacher generates per request")
     t.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     t.add_argument("--force", action="store_true", help="overwrite the output head")
@@ -77,44 +93,77 @@ def _head_for(model_path: Path, head: Path | None) -> Path:
     return found
 
 
+# Rates of the stages after the teacher on this 2-core CPU (tokens per second, 2 threads, measured by
+# scripts/heads_ablation.py; a slower machine is caught by the training's own deadline)
+TRUNK_TOK_S = 600.0  # (660 measured)
+TRAIN_TOK_S = 800.0  # per epoch (930 measured)
+RESERVE_S = 150.0  # loading the base into PyTorch, V', the held-out checks, writing the head
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    import time
+
     from ..atomic import check_overwrite
     from ..heads import data, fingerprint, teacher, train
     from ..heads.headfile import check_exit_layer, model_info
     from ..paths import cache_dir
     from ..registry import resolve_model
 
+    t_start = time.time()
+    deadline = t_start + args.minutes * 60
     model = resolve_model(args.model)
     info = model_info(model)
     check_exit_layer(args.exit_layer, info["n_layer"], args.model)
     check_overwrite(args.output, args.force)
+    if args.minutes <= 0:
+        raise EesdError("--minutes must be positive")
     if args.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise EesdError("--device cuda was asked for but PyTorch sees no CUDA device", hint="use --device cpu")
-    data_dir = args.data or cache_dir("heads-data") / fingerprint(model)
-    print(f"teacher data: {data_dir} (target {args.tokens} tokens)", file=sys.stderr)
+    data_dir = args.data or cache_dir("heads-data") / fingerprint(model) / args.mix
+    cap = f"at most {args.tokens} tokens, " if args.tokens else ""
+    print(f"teacher data: {data_dir} ({cap}mix {args.mix}; {args.minutes:g} min for the whole run)", file=sys.stderr)
     cfg = teacher.TeacherConfig(n_parallel=args.parallel, threads=args.threads, max_new=args.max_new)
+    after_teacher = 1.0 / TRUNK_TOK_S + args.epochs / TRAIN_TOK_S  # seconds of later stages per teacher token
+
+    def stop_when(tokens: int, _elapsed: float) -> bool:  # the rest of the run must still fit in --minutes
+        return time.time() + tokens * after_teacher + RESERVE_S >= deadline
 
     def tprog(d: dict) -> None:
-        print(f"\rteacher: {d['tokens']} tokens, {d['new'] / max(d['elapsed'], 1e-9):.1f} tok/s", end="", file=sys.stderr)
+        left = max(0.0, deadline - time.time()) / 60
+        print(
+            f"\rteacher: {d['tokens']} tokens, {d['new'] / max(d['elapsed'], 1e-9):.1f} tok/s, {left:.0f} min of the budget left ",
+            end="",
+            file=sys.stderr,
+        )
 
     teacher.run_teacher(
         model,
-        data.training_items(),
+        data.mix_items(args.mix),
         data_dir,
         cfg=cfg,
-        budget_tokens=args.tokens,
+        budget_tokens=args.tokens or 10**12,
         time_limit_s=(args.teacher_minutes or 1e9) * 60,
         progress=tprog,
+        stop_when=stop_when,
     )
     print(file=sys.stderr)
+    if teacher.count_tokens(data_dir) == 0:
+        raise EesdError(
+            f"no teacher data was made within --minutes {args.minutes:g}", hint="give the run more minutes (--minutes)"
+        )
     train.cache_trunk_states(
         model, data_dir, (args.exit_layer,), threads=args.threads, progress=lambda m: print(m, file=sys.stderr)
     )
     tcfg = train.TrainConfig(
-        exit_layer=args.exit_layer, epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, threads=args.threads
+        exit_layer=args.exit_layer,
+        epochs=args.epochs,
+        lr=args.lr,
+        batch_tokens=args.batch_tokens,
+        threads=args.threads,
+        draft_vocab=args.draft_vocab,
     )
     summary = train.train_head(
         model,
@@ -124,15 +173,18 @@ def cmd_train(args: argparse.Namespace) -> int:
         device=args.device,
         ckpt_path=cache_dir("heads-ckpt") / f"{args.output.name}.{fingerprint(model)[:12]}.ckpt",
         log=lambda m: print(m, file=sys.stderr),
-        data_summary={
-            "teacher_tokens": teacher.count_tokens(data_dir),
-            "mix": "own greedy answers to stdlib code tasks + ShareGPT requests (train range), stdlib source teacher-forced",
-        },
+        data_summary={"teacher_tokens": teacher.count_tokens(data_dir), "mix": data.MIXES[args.mix]},
         force=args.force,
+        deadline=deadline,
     )
+    summary["wall_minutes"] = round((time.time() - t_start) / 60, 1)
     print(
         json.dumps(
-            {k: summary[k] for k in ("steps", "epochs", "train_tokens", "final_loss", "agreement", "throughput_tok_s")}, indent=1
+            {
+                k: summary[k]
+                for k in ("steps", "planned_steps", "epochs", "train_tokens", "final_loss", "agreement", "throughput_tok_s", "wall_minutes")
+            },
+            indent=1,
         )
     )
     print(f"wrote {args.output}")

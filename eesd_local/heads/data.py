@@ -211,3 +211,28 @@ def interleave(*lists: list[Item], weights: tuple[float, ...] | None = None, see
 def training_items(seed: int = 0) -> list[Item]:
     """The default training mix: code requests, chat requests, stdlib source (4 : 4 : 1)."""
     return interleave(code_items("train"), sharegpt_items("train"), source_items(), weights=(1.0, 1.0, 0.25), seed=seed)
+
+
+DEFAULT_MIX = "own"  # eesd heads train --mix: the data that bought the most agreement per CPU-minute (models/README.md)
+DEFAULT_TRAIN_VOCAB = 0  # eesd heads train --draft-vocab: 0 = the full vocabulary (serves the copy and the split; V' bought nothing, models/README.md)
+
+# Training mixes (``eesd heads train --mix``): what the teacher pass runs over.
+MIXES = {
+    "default": "own greedy answers to stdlib code tasks + ShareGPT requests (train range), stdlib source teacher-forced (4:4:1)",
+    "own": "own greedy answers to stdlib code tasks + ShareGPT requests (train range) (1:1)",
+    "forced": "teacher-forced ShareGPT assistant answers (train range) + stdlib source (1:1)",
+    "own+forced": "own greedy answers (code, chat) + teacher-forced ShareGPT answers and stdlib source (1:1:1:1)",
+}
+
+
+def mix_items(name: str, seed: int = 0) -> list[Item]:
+    """The items of a training mix (see :data:`MIXES`)."""
+    if name == "default":
+        return training_items(seed)
+    if name == "own":
+        return interleave(code_items("train"), sharegpt_items("train"), seed=seed)
+    if name == "forced":
+        return interleave(sharegpt_text_items(), source_items(), seed=seed)
+    if name == "own+forced":
+        return interleave(code_items("train"), sharegpt_items("train"), sharegpt_text_items(), source_items(), seed=seed)
+    raise EesdError(f"unknown training mix {name!r}", hint="one of: " + ", ".join(MIXES))

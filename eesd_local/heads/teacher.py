@@ -214,9 +214,12 @@ def run_teacher(
     budget_tokens: int = 10**12,
     time_limit_s: float = 1e12,
     progress: Callable[[dict], None] | None = None,
+    stop_when: Callable[[int, float], bool] | None = None,
 ) -> int:
     """Generate/teacher-force ``items`` into shards under ``out_dir`` until ``budget_tokens``
-    tokens are on disk (counting earlier shards). Returns the tokens on disk. Ctrl-C flushes."""
+    tokens are on disk (counting earlier shards), ``time_limit_s`` passed or ``stop_when(tokens
+    on disk and in flight, seconds)`` says so; sequences under way are finished first. Returns
+    the tokens on disk. Ctrl-C flushes."""
     cfg = cfg or TeacherConfig()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -256,6 +259,9 @@ def run_teacher(
         exhausted = False
         while True:
             over = on_disk + made >= budget_tokens or time.time() - t0 > time_limit_s or stop["flag"]
+            if not over and stop_when is not None:
+                in_flight = sum(len(sl.tokens) for sl in slots if sl is not None)
+                over = stop_when(on_disk + made + in_flight, time.time() - t0)
             for s in range(cfg.n_parallel):
                 while slots[s] is None and not exhausted and not over:
                     item = next(pending, None)

@@ -47,6 +47,11 @@ class TrainConfig:
     freeze_mlp: bool = False  # keep the base's last-block MLP (the head file then omits it: small heads for big models)
     head_qtype: str = "Q8_0"
     ckpt_every: int = 50
+    # train the softmax over the shared trunk's draft vocabulary V' (its size; 0 = the full vocabulary):
+    # negatives are drawn from V', teacher top-k entries outside V' get no mass, held-out agreement is
+    # the argmax over V' (what the shared-trunk draft computes)
+    draft_vocab: int = 0
+    init_from: int | None = None  # base block the exit block starts from (None: the last block)
 
 
 @dataclass
@@ -56,6 +61,9 @@ class Seq:
     logp: np.ndarray  # [L, K] float16
     n_prompt: int
     category: str
+
+
+FINAL_EVAL_S = 60.0  # kept free before a deadline: the final held-out check and writing the head
 
 
 def trunk_paths(data_dir: Path, n: int) -> list[Path]:
@@ -164,16 +172,20 @@ def _pad(seqs: list[Seq], idx: list[int]):
     return torch.from_numpy(h), torch.from_numpy(ids), torch.from_numpy(lp), torch.from_numpy(gen)
 
 
-def distill_loss(z, lm_w, ids, logp, neg_ids):
+def distill_loss(z, lm_w, ids, logp, neg_ids, keep=None):
     """Top-k distillation with shared sampled negatives.
 
     z [M, d] student states; ids/logp [M, K] teacher top-k; neg_ids [S] sampled negatives.
     q = softmax over {top-k of this row} U {negatives not in it}; loss = -sum_j p_j log q_j with
-    p the teacher's top-k probabilities renormalised to 1.
+    p the teacher's top-k probabilities renormalised to 1. ``keep`` [M, K] (optional) marks the
+    top-k entries the student may propose (inside V'); the others get no mass on either side.
     """
     import torch
 
     own = torch.einsum("md,mkd->mk", z, lm_w[ids])  # [M, K]
+    if keep is not None:
+        own = own.masked_fill(~keep, -1e4)  # exp() == 0, and 0 * finite in the loss
+        logp = logp.masked_fill(~keep, float("-inf"))
     neg = z @ lm_w[neg_ids].T  # [M, S]
     clash = (ids.unsqueeze(-1) == neg_ids.view(1, 1, -1)).any(1)  # negative already in the row's top-k
     neg = neg.masked_fill(clash, float("-inf"))
@@ -184,9 +196,12 @@ def distill_loss(z, lm_w, ids, logp, neg_ids):
     return loss, acc.float().mean()
 
 
-def agreement(head, lm_w, seqs: list[Seq], max_seqs: int = 64) -> dict[str, float]:
-    """Student argmax over the full vocabulary vs the teacher's argmax, on answer rows."""
+def agreement(head, lm_w, seqs: list[Seq], max_seqs: int = 64, vocab=None) -> dict[str, float]:
+    """Student argmax over the full vocabulary (or over the ids ``vocab``: V') vs the teacher's
+    argmax, on answer rows."""
     import torch
+
+    rows_w = lm_w if vocab is None else lm_w[torch.as_tensor(vocab, dtype=torch.long)]
 
     hits: dict[str, list[int]] = {}
     with torch.inference_mode():
@@ -196,7 +211,9 @@ def agreement(head, lm_w, seqs: list[Seq], max_seqs: int = 64) -> dict[str, floa
             rows = np.nonzero(s.ids[a:, 0] >= 0)[0] + a
             if len(rows) == 0:
                 continue
-            pred = (z[rows] @ lm_w.T).argmax(-1).numpy()
+            pred = (z[rows] @ rows_w.T).argmax(-1).numpy()
+            if vocab is not None:
+                pred = np.asarray(vocab)[pred]
             ok = (pred == s.ids[rows, 0]).astype(int)
             hits.setdefault(s.category, []).extend(ok.tolist())
             hits.setdefault("all", []).extend(ok.tolist())
@@ -217,8 +234,12 @@ def train_head(
     data_summary: dict | None = None,
     force: bool = True,
     init_head: Path | None = None,
+    deadline: float | None = None,
 ) -> dict:
-    """Train the exit head on cached shards; write the head GGUF to ``out_path``; return a summary."""
+    """Train the exit head on cached shards; write the head GGUF to ``out_path``; return a summary.
+
+    ``deadline`` (a ``time.time()`` value): when the planned epochs would end later, the schedule is
+    shortened (measured after the first steps) so that training ends by then; the summary says so."""
     import torch
 
     from .torchmodel import make_exit_head
@@ -235,7 +256,7 @@ def train_head(
     held = [s for i, s in enumerate(seqs) if i % cfg.heldout_every == cfg.heldout_every - 1]
     train = [s for i, s in enumerate(seqs) if i % cfg.heldout_every != cfg.heldout_every - 1]
     n_tokens = sum(len(s.hid) for s in train)
-    head, lm_w = make_exit_head(base_path, cfg.exit_layer)
+    head, lm_w = make_exit_head(base_path, cfg.exit_layer, cfg.init_from)
     if init_head is not None:  # continue from an earlier head (more data, a fresh schedule)
         from .headfile import head_tensors, read_head_info
 
@@ -251,7 +272,18 @@ def train_head(
     # negatives: half from the teacher-argmax unigram (the likely confusions), half uniform
     top1 = np.concatenate([s.ids[:, 0][s.ids[:, 0] >= 0] for s in train])
     vocab = lm_w.shape[0]
+    vprime = None  # the draft vocabulary V' (sorted ids) when training over it
+    in_v = None
+    if cfg.draft_vocab:
+        from ..draftvocab import draft_vocab
+
+        vprime = draft_vocab(base_path, cfg.draft_vocab).astype(np.int64)
+        in_v = torch.zeros(vocab + 1, dtype=torch.bool)  # index vocab = the "no row" id -1
+        in_v[torch.from_numpy(vprime)] = True
     uni = np.bincount(top1, minlength=vocab).astype(np.float64) + 1e-3
+    pool = np.arange(vocab) if vprime is None else vprime  # uniform negatives are drawn from here
+    if vprime is not None:
+        uni = uni[vprime]
     uni /= uni.sum()
     epoch_batches = len(_batches(train, cfg.batch_tokens, np.random.default_rng(0)))
     total_steps = max(1, int(math.ceil(cfg.epochs * epoch_batches)))
@@ -293,12 +325,14 @@ def train_head(
 
         bar = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True)
     t0, tokens_seen, loss_ema, acc_ema = time.time(), 0, None, None
-    agree = agreement(head, lm_w, held) if step == 0 else (history[-1]["heldout"] if history else {})
+    start_step, planned_steps = step, total_steps
+    agree = agreement(head, lm_w, held, vocab=vprime) if step == 0 else (history[-1]["heldout"] if history else {})
     if step == 0:
         history.append({"step": 0, "tokens": 0, "epoch": 0.0, "heldout": agree})
         log(
             f"N={cfg.exit_layer}: {len(train)} train sequences ({n_tokens} tokens), {len(held)} held out; start agreement {agree}"
         )
+    t_loop = time.time()  # step times for the deadline are counted from here (not the first held-out check)
     try:
         epoch = step // max(epoch_batches, 1)
         while step < total_steps and not stop["flag"]:
@@ -309,11 +343,18 @@ def train_head(
                     break
                 h, ids, lp, _ = _pad(train, idx)
                 valid = ids[..., 0] >= 0
+                keep = None
+                if in_v is not None:  # top-k entries the V' head can propose; rows with none are skipped
+                    keep_all = in_v[torch.where(ids >= 0, ids, vocab)]
+                    valid &= keep_all.any(-1)
+                    keep = keep_all[valid].to(device)
                 z = head(h.to(device))[valid]
                 neg = np.unique(
-                    np.concatenate([rng.choice(vocab, cfg.negatives // 2, p=uni), rng.integers(0, vocab, cfg.negatives // 2)])
+                    np.concatenate([pool[rng.choice(len(pool), cfg.negatives // 2, p=uni)], rng.choice(pool, cfg.negatives // 2)])
                 )
-                loss, acc = distill_loss(z, lm_w, ids[valid].to(device), lp[valid].to(device), torch.from_numpy(neg).to(device))
+                loss, acc = distill_loss(
+                    z, lm_w, ids[valid].to(device), lp[valid].to(device), torch.from_numpy(neg).to(device), keep
+                )
                 for g in opt.param_groups:
                     g["lr"] = lr_at(step)
                 opt.zero_grad(set_to_none=True)
@@ -321,12 +362,24 @@ def train_head(
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 opt.step()
                 step += 1
+                done_here = step - start_step
+                if deadline is not None and done_here >= 10 and done_here % 10 == 0:
+                    # fit the schedule in the time left, from the mean step time so far (held-out checks
+                    # included); refitted as it goes, never beyond the planned epochs
+                    per_step = (time.time() - t_loop) / done_here
+                    fit = max(step, min(planned_steps, step + int((deadline - time.time() - FINAL_EVAL_S) / per_step)))
+                    if fit != total_steps:
+                        if fit < planned_steps and total_steps == planned_steps:
+                            log(f"time budget: {fit} of {planned_steps} planned steps fit ({per_step:.2f} s a step)")
+                        total_steps = fit
+                        if bar is not None:
+                            bar.total = total_steps
                 tokens_seen += int(valid.sum())
                 loss_v, acc_v = float(loss.detach()), float(acc)
                 loss_ema = loss_v if loss_ema is None else 0.9 * loss_ema + 0.1 * loss_v
                 acc_ema = acc_v if acc_ema is None else 0.9 * acc_ema + 0.1 * acc_v
                 if step % cfg.eval_every == 0 or step == total_steps:
-                    agree = agreement(head, lm_w, held)
+                    agree = agreement(head, lm_w, held, vocab=vprime)
                     history.append(
                         {
                             "step": step,
@@ -355,7 +408,7 @@ def train_head(
         save_ckpt()
     if stop["flag"]:
         log(f"interrupted at step {step}: checkpoint saved to {ckpt_path}; rerun the same command to resume")
-    agree = agreement(head, lm_w, held, max_seqs=len(held))
+    agree = agreement(head, lm_w, held, max_seqs=len(held), vocab=vprime)
     elapsed = time.time() - t0
     summary = {
         "steps": step,
@@ -365,6 +418,7 @@ def train_head(
         "agreement": agree,
         "agreement_note": f"top-1 on held-out answer tokens of the training mix (1 in {cfg.heldout_every} sequences)",
         "throughput_tok_s": round(tokens_seen / max(elapsed, 1e-9), 1),
+        "planned_steps": planned_steps,
         "config": asdict(cfg),
         "data": data_summary or {},
         "history": history[-12:],
