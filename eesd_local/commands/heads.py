@@ -93,13 +93,6 @@ def _head_for(model_path: Path, head: Path | None) -> Path:
     return found
 
 
-# Rates of the stages after the teacher on this 2-core CPU (tokens per second, 2 threads, measured by
-# scripts/heads_ablation.py; a slower machine is caught by the training's own deadline)
-TRUNK_TOK_S = 600.0  # (660 measured)
-TRAIN_TOK_S = 800.0  # per epoch (930 measured)
-RESERVE_S = 150.0  # loading the base into PyTorch, V', the held-out checks, writing the head
-
-
 def cmd_train(args: argparse.Namespace) -> int:
     import time
 
@@ -126,11 +119,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     cap = f"at most {args.tokens} tokens, " if args.tokens else ""
     print(f"teacher data: {data_dir} ({cap}mix {args.mix}; {args.minutes:g} min for the whole run)", file=sys.stderr)
     cfg = teacher.TeacherConfig(n_parallel=args.parallel, threads=args.threads, max_new=args.max_new)
-    after_teacher = 1.0 / TRUNK_TOK_S + args.epochs / TRAIN_TOK_S  # seconds of later stages per teacher token
-
-    def stop_when(tokens: int, _elapsed: float) -> bool:  # the rest of the run must still fit in --minutes
-        return time.time() + tokens * after_teacher + RESERVE_S >= deadline
-
     def tprog(d: dict) -> None:
         left = max(0.0, deadline - time.time()) / 60
         print(
@@ -147,7 +135,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         budget_tokens=args.tokens or 10**12,
         time_limit_s=(args.teacher_minutes or 1e9) * 60,
         progress=tprog,
-        stop_when=stop_when,
+        stop_when=train.teacher_stop_rule(deadline, args.epochs),  # the rest must still fit in --minutes
     )
     print(file=sys.stderr)
     if teacher.count_tokens(data_dir) == 0:

@@ -64,6 +64,24 @@ class Seq:
 
 
 FINAL_EVAL_S = 60.0  # kept free before a deadline: the final held-out check and writing the head
+# Rates of the stages after the teacher on this 2-core CPU for the 0.5B (tokens per second, 2 threads;
+# 660 and 930 measured by scripts/heads_ablation.py): a slower machine is caught by train_head's deadline
+TRUNK_TOK_S = 600.0
+TRAIN_TOK_S = 800.0  # per epoch
+RESERVE_S = 150.0  # loading the base into PyTorch, V', the held-out checks, writing the head
+
+
+def teacher_stop_rule(
+    deadline: float, epochs: float, *, trunk_tok_s: float = TRUNK_TOK_S, train_tok_s: float = TRAIN_TOK_S
+) -> Callable[[int, float], bool]:
+    """``run_teacher``'s ``stop_when`` for a run that must end by ``deadline``: stop generating once the
+    trunk states and ``epochs`` of training over the tokens made so far would no longer fit."""
+    after = 1.0 / trunk_tok_s + epochs / train_tok_s  # seconds of later stages per teacher token
+
+    def stop_when(tokens: int, _elapsed: float) -> bool:
+        return time.time() + tokens * after + RESERVE_S >= deadline
+
+    return stop_when
 
 
 def trunk_paths(data_dir: Path, n: int) -> list[Path]:
@@ -280,10 +298,8 @@ def train_head(
         vprime = draft_vocab(base_path, cfg.draft_vocab).astype(np.int64)
         in_v = torch.zeros(vocab + 1, dtype=torch.bool)  # index vocab = the "no row" id -1
         in_v[torch.from_numpy(vprime)] = True
-    uni = np.bincount(top1, minlength=vocab).astype(np.float64) + 1e-3
-    pool = np.arange(vocab) if vprime is None else vprime  # uniform negatives are drawn from here
-    if vprime is not None:
-        uni = uni[vprime]
+    pool = np.arange(vocab) if vprime is None else vprime  # negatives are drawn from here
+    uni = (np.bincount(top1, minlength=vocab).astype(np.float64) + 1e-3)[pool]
     uni /= uni.sum()
     epoch_batches = len(_batches(train, cfg.batch_tokens, np.random.default_rng(0)))
     total_steps = max(1, int(math.ceil(cfg.epochs * epoch_batches)))
