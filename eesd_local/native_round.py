@@ -57,11 +57,17 @@ def status(drafter: Drafter) -> tuple[bool, str]:
 
 def open_loop(ctx: Context, drafter: Drafter, controller: Controller, params: SamplingParams, rng: TokenRNG, *,
               draft_max: int, batch_s: float) -> tuple[RoundLoop, str]:
-    """The round loop for one generation (native when it can run the drafter, else Python) and its note."""
+    """The round loop for one generation (native when it can run the drafter, else Python) and its note.
+
+    A drafter with free offers (prompt lookup, alone or in ``auto``) has the controller learn from
+    every offer in hindsight where the controller can (:meth:`Controller.learn_in_hindsight`)."""
     use_native, note = status(drafter)
+    learn = getattr(controller, "learn_in_hindsight", None)
+    hindsight = bool(learn(bool(getattr(drafter, "free_offers", False)))) if learn is not None else False
     if use_native:
-        return NativeRounds(ctx, drafter, controller, params, rng, draft_max=draft_max, batch_s=batch_s), note
-    return PythonRounds(ctx, drafter, controller, params, rng), note
+        return NativeRounds(ctx, drafter, controller, params, rng, draft_max=draft_max, batch_s=batch_s,
+                            hindsight=hindsight), note
+    return PythonRounds(ctx, drafter, controller, params, rng, hindsight=hindsight), note
 
 
 def _mode(spec: NativeSpec) -> int:
@@ -91,9 +97,9 @@ class NativeRounds:
     """
 
     def __init__(self, ctx: Context, drafter: Drafter, controller: Controller, params: SamplingParams, rng: TokenRNG,
-                 *, draft_max: int, batch_s: float = 0.0) -> None:
+                 *, draft_max: int, batch_s: float = 0.0, hindsight: bool = False) -> None:
         from .controllers import layout as L
-        from .controllers.cfuncs import addresses
+        from .controllers.cfuncs import addresses, hindsight_address
 
         native, why = _load()
         spec = drafter.native()
@@ -116,7 +122,9 @@ class NativeRounds:
             self.rounds.set_split(_open(trunk, "trunk"), trunk.n_batch, trunk.capture.user_data, t._raw.ctypes.data,
                                   t.row_bytes, t.type, t.n_rows, t.n_embd, [int(v) for v in trunk.vocab],
                                   int(trunk.target_model.ptr))
-        self.rounds.set_slots(L.OFFER_N, L.OFFER_CONF, L.BEHIND, L.SOURCE, L.T_CATCHUP)
+        self.rounds.set_slots(L.OFFER_N, L.OFFER_CONF, L.BEHIND, L.SOURCE, L.T_CATCHUP, L.OFFER_MATCH)
+        if hindsight:
+            self.rounds.set_hindsight(hindsight_address())
         names = getattr(drafter, "source_name", None)
         self._names = {L.SRC_LOOKUP: names(L.SRC_LOOKUP) if names else drafter.name,
                        L.SRC_MODEL: names(L.SRC_MODEL) if names else drafter.name}

@@ -39,7 +39,7 @@ class Controller(Protocol):
 
     def begin_request(self) -> None: ...
 
-    def begin_round(self, offer: int = 0, confidence: float = 0.0, behind: int = 0) -> None: ...
+    def begin_round(self, offer: int = 0, confidence: float = 0.0, behind: int = 0, match: int = 0) -> None: ...
 
     def source(self) -> int: ...
 
@@ -78,6 +78,41 @@ class RoundLoop(Protocol):
         ...
 
 
+class Hindsight:
+    """Prompt lookup's offers, each reported to the controller once its outcome is known.
+
+    An offer made at history length ``start`` (tokens t1..tn after a match of ``match`` tokens) is
+    resolved by the tokens the target emits after it, drafted or not: at the first one that differs
+    from the offer (m matched), or when all n matched. Pending offers (at most one per round, each
+    resolved within n emitted tokens) are dropped at a new request. The native loop keeps the same
+    record (native/rounds.cpp, ``Rounds::hindsight``)."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.ctl = controller
+        self.pending: list[tuple[int, tuple[int, ...], int]] = []
+
+    def clear(self) -> None:
+        self.pending.clear()
+
+    def add(self, start: int, tokens: tuple[int, ...], match: int) -> None:
+        if tokens:
+            self.pending.append((start, tokens, match))
+
+    def see(self, history: list[int]) -> None:
+        """Report the offers this history resolves; keep the rest."""
+        keep = []
+        for start, toks, match in self.pending:
+            lim = min(len(history) - start, len(toks))
+            m = 0
+            while m < lim and history[start + m] == toks[m]:
+                m += 1
+            if m < lim or m == len(toks):
+                self.ctl.hindsight(match, len(toks), m)  # type: ignore[attr-defined]
+            else:
+                keep.append((start, toks, match))
+        self.pending = keep
+
+
 def round_limit(draft_max: int, left: int, room: int) -> int:
     """Most tokens a round may draft: a round emits up to k + 1 tokens, so k <= left - 1
     (tokens still wanted) and k <= room - 1 (free KV positions after `last`), and never
@@ -89,9 +124,10 @@ class PythonRounds:
     """The reference round loop, one round per call."""
 
     def __init__(self, ctx: Context, drafter: Drafter, controller: Controller, params: SamplingParams,
-                 rng: Uniform) -> None:
+                 rng: Uniform, *, hindsight: bool = False) -> None:
         self.ctx, self.drafter, self.ctl, self.params, self.rng = ctx, drafter, controller, params, rng
         self._offer = getattr(drafter, "offer", None)
+        self._hindsight = Hindsight(controller) if hindsight else None
         self._choose = int(getattr(drafter, "n_sources", 1)) > 1
 
     def room(self) -> int:
@@ -101,8 +137,12 @@ class PythonRounds:
         ctx, ctl, params = self.ctx, self.ctl, self.params
         t1 = time.perf_counter()
         # what is free to know before the round (lookup's match, a model's catch-up); optional for a drafter
+        if self._hindsight is not None:
+            self._hindsight.see(history)
         offer = self._offer(history, max_n) if self._offer is not None else Offer()
-        ctl.begin_round(offer.n, offer.confidence, offer.behind)
+        if self._hindsight is not None:
+            self._hindsight.add(len(history), offer.tokens, offer.match)
+        ctl.begin_round(offer.n, offer.confidence, offer.behind, offer.match)
         if self._choose:  # the controller picked the source
             prop = self.drafter.propose(history, ctl.draft_more, max_n, params, self.rng, source=ctl.source())  # type: ignore[call-arg]
         else:

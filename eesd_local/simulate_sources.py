@@ -71,6 +71,8 @@ def run(policy: str, process: SourceProcess, profile: CostProfile, *, seed: int 
     rng = np.random.default_rng(seed)
     ctrl = make_controller(spec if policy != "none" else "fixed:0", max_draft=max_draft, seed=seed,
                            sources=2 if policy == "auto" else 1)
+    # as the engine does: the controller learns lookup from every offer in hindsight where it can
+    hindsight = policy in ("auto", "lookup") and ctrl.learn_in_hindsight(True)
     verify = profile.verify(max_draft)
     tokens = seconds = 0.0
     by_source = {L.SRC_LOOKUP: 0, L.SRC_MODEL: 0}
@@ -82,7 +84,8 @@ def run(policy: str, process: SourceProcess, profile: CostProfile, *, seed: int 
             offer = LOOKUP_CONTINUATION if policy in ("auto", "lookup") and rng.random() < st.lookup_offer else 0
             conf = st.lookup_match / (NGRAM_MAX + 1.0)
             uses_model = policy in ("auto", "model")
-            ctrl.begin_round(offer, conf if offer else 0.0, behind if uses_model and behind > 1 else 0)
+            ctrl.begin_round(offer, conf if offer else 0.0, behind if uses_model and behind > 1 else 0,
+                             st.lookup_match if offer else 0)
             src = ctrl.source()
             if src == L.SRC_ANY:
                 src = {"lookup": L.SRC_LOOKUP, "model": L.SRC_MODEL}.get(policy, L.SRC_NONE)
@@ -95,8 +98,16 @@ def run(policy: str, process: SourceProcess, profile: CostProfile, *, seed: int 
                 confs.append(c)
             k = len(confs)
             m = 0
-            while m < k and rng.random() < p:
-                m += 1
+            if offer and hindsight:  # how far the whole offer would have gone: its drafts' fate is part of it
+                reach = 0
+                while reach < offer and rng.random() < st.lookup_p:
+                    reach += 1
+                m = min(reach, k) if src == L.SRC_LOOKUP else 0
+                ctrl.hindsight(st.lookup_match, offer, reach)  # (the engine learns it once the tokens are emitted)
+            if src != L.SRC_LOOKUP or not hindsight:
+                m = 0
+                while m < k and rng.random() < p:
+                    m += 1
             b = k if ctrl.no_bonus() and k else k + 1
             tokens += sum(p**i for i in range(b))  # the expected tokens of a batch of b
             t_catchup = catchup_cost * behind if src == L.SRC_MODEL and k and behind > 1 else 0.0

@@ -102,11 +102,15 @@ PYBIND11_MODULE(_native, m) {
              "Run the lookup drafter's n-gram search with these sizes (0, 0: no lookup).")
         .def(
             "set_slots",
-            [](PyRounds& self, int offer_n, int offer_conf, int behind, int source, int t_catchup) {
-                self.set_slots(eesd::Slots{offer_n, offer_conf, behind, source, t_catchup});
+            [](PyRounds& self, int offer_n, int offer_conf, int behind, int source, int t_catchup, int offer_match) {
+                self.set_slots(eesd::Slots{offer_n, offer_conf, behind, source, t_catchup, offer_match});
             },
             py::arg("offer_n"), py::arg("offer_conf"), py::arg("behind"), py::arg("source"), py::arg("t_catchup"),
+            py::arg("offer_match") = -1,
             "Where the controller's state holds the offer, the chosen source and the catch-up seconds (-1: none).")
+        .def("set_hindsight", &PyRounds::set_hindsight, py::arg("hindsight"),
+             "Report every lookup offer to the controller once emitted tokens resolve it: the controller's hindsight "
+             "entry point (controllers.cfuncs), 0: off.")
         .def("room", &PyRounds::room, "How many more tokens fit into the target context.")
         .def(
             "set_split",

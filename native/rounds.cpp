@@ -17,6 +17,7 @@ void Rounds::one_round(int max_n, RoundOut& r) {
     // what is free to know before the round (Drafter.offer): lookup's match, how far the draft model is behind
     cands_.clear();
     double conf = 0.0;
+    if (hindsight_) see_offers();
     if (ngram_max_ > 0 && mode_ != NONE) {  // the lookup drafter runs here rather than in Python
         int n_match = lookup(max_n, cands_);
         conf = n_match > 0 ? n_match / (ngram_max_ + 1.0) : 0.0;  // lookup.match_confidence
@@ -24,6 +25,8 @@ void Rounds::one_round(int max_n, RoundOut& r) {
     bool offers = mode_ == POINT || mode_ == CHOOSE;  // a hierarchical drafter's guesses are not free proposals
     put(slots_.offer_n, offers ? static_cast<double>(cands_.size()) : 0.0);
     put(slots_.offer_conf, offers && !cands_.empty() ? conf : 0.0);
+    put(slots_.offer_match, offers && !cands_.empty() ? static_cast<double>(match_len_) : 0.0);
+    if (hindsight_ && offers && !cands_.empty()) offers_.push_back(PendingOffer{history_.size(), cands_, match_len_});
     put(slots_.behind, (mode_ == MODEL || mode_ == CHOOSE) && dft_.ctx ? behind() : 0.0);
     put(slots_.t_catchup, 0.0);
     t_catchup_ = 0.0;
@@ -142,9 +145,32 @@ int Rounds::lookup(int max_n, std::vector<llama_token>& out) {
         if (l > best_n && l >= ngram_min_) best_n = l, best_e = e;
     }
     if (best_e < 0) return 0;
+    int l = best_n;  // the match length: on beyond the n-gram, up to MATCH_CAP (LookupDrafter.lookup_match)
+    while (l < MATCH_CAP && best_e - l >= 0 && h[best_e - l] == h[len - 1 - l]) l++;
+    match_len_ = l;
     int end = std::min(len, best_e + 1 + max_n);
     out.assign(h + best_e + 1, h + end);
     return best_n;
+}
+
+// rounds.Hindsight.see: report the offers the history now resolves (a token that differs from the
+// offer, or every offered token emitted), keep the rest
+void Rounds::see_offers() {
+    size_t keep = 0;
+    for (size_t i = 0; i < offers_.size(); i++) {
+        PendingOffer& o = offers_[i];
+        size_t n = o.toks.size();
+        size_t lim = std::min(history_.size() - o.start, n);
+        size_t m = 0;
+        while (m < lim && history_[o.start + m] == o.toks[m]) m++;
+        if (m < lim || m == n)
+            hindsight_(st_, n_st_, o.match, static_cast<int64_t>(n), static_cast<int64_t>(m));
+        else if (keep != i)
+            offers_[keep++] = std::move(o);
+        else
+            keep++;
+    }
+    offers_.resize(keep);
 }
 
 // lookup: the controller cuts the proposals (LookupDrafter.propose)

@@ -33,6 +33,11 @@ inline int round_limit(int draft_max, int left, int room) { return std::max(0, s
 using begin_fn = void (*)(double*, int64_t);
 using decide_fn = int64_t (*)(double*, int64_t, int64_t, double);
 using update_fn = void (*)(double*, int64_t, double*, int64_t, int64_t, double, double);
+// a free offer seen in hindsight (match length, tokens offered, tokens of it the target emitted)
+using hindsight_fn = void (*)(double*, int64_t, int64_t, int64_t, int64_t);
+
+// a lookup match is measured up to this many tokens (drafters/lookup.py MATCH_CAP)
+constexpr int MATCH_CAP = 16;
 
 // no drafter; fixed proposals (lookup); a draft model (lookup's proposals, if any, are its guesses);
 // the controller picks one source per round (lookup alone or the draft model alone)
@@ -43,7 +48,7 @@ enum Source { SRC_ANY = -2, SRC_NONE = -1, SRC_LOOKUP = 0, SRC_MODEL = 1 };
 // state slots the loop writes before a round (the offer), reads after begin (source) and writes
 // before update (catch-up seconds); -1: not written (controllers/layout.py)
 struct Slots {
-    int offer_n = -1, offer_conf = -1, behind = -1, source = -1, t_catchup = -1;
+    int offer_n = -1, offer_conf = -1, behind = -1, source = -1, t_catchup = -1, offer_match = -1;
 };
 
 // What one round of a batch did; its drafts are Rounds::drafted()[first, next round's first)
@@ -81,6 +86,12 @@ class Rounds {
     void set_lookup(int ngram_min, int ngram_max);
     // where the offer, the source and the catch-up time live in the controller's state
     void set_slots(const Slots& s) { slots_ = s; }
+    // Report every lookup offer to the controller once the emitted tokens resolve it (rounds.Hindsight):
+    // f is controllers.cfuncs' hindsight entry point (0: off)
+    void set_hindsight(uintptr_t f) {
+        hindsight_ = reinterpret_cast<hindsight_fn>(f);
+        offers_.clear();
+    }
     // The shared trunk (trunk.py's SplitTarget): the target context is the tail, fed the rows the
     // trunk's capture copies out; the trunk (opened here as the draft context, side 1) is fed the
     // table's embedding rows and drafts over vocab (V' ids in target numbering); end-of-generation
@@ -112,6 +123,7 @@ class Rounds {
     void one_round(int max_n, RoundOut& r);
     int draft(int max_n, double conf);
     int lookup(int max_n, std::vector<llama_token>& out);
+    void see_offers();
     int behind() const;
     void put(int slot, double v) {
         if (slot >= 0 && slot < n_st_) st_[slot] = v;
@@ -143,6 +155,14 @@ class Rounds {
     Slots slots_;
     double t_catchup_ = 0.0;  // this round's draft model catch-up seconds
     int ngram_min_ = 0, ngram_max_ = 0;
+    int match_len_ = 0;  // the last lookup's match length (up to MATCH_CAP)
+    hindsight_fn hindsight_ = nullptr;
+    struct PendingOffer {
+        size_t start;  // history length when offered
+        std::vector<llama_token> toks;
+        int match;
+    };
+    std::vector<PendingOffer> offers_;  // lookup offers not yet resolved by emitted tokens
     std::vector<llama_token> history_;
 
     // the shared trunk (set_split)

@@ -188,6 +188,7 @@ def test_certify_flags_a_real_divergence(qwen05_path):
         other.turns[0].tokens = toks[:5]
         mm = runner.certify(ref, plain, other, s, 512)
         assert mm is not None and mm.index == 5 and eng.model.is_eog(mm.other_token) and not mm.near_tie
+        assert type(mm.other_token) is int  # a NumPy integer here once made the --json report fail after the whole run
 
 
 def test_ctrl_c_reports_what_was_measured(tmp_path, qwen05_path, monkeypatch):

@@ -246,7 +246,7 @@ def _stop_divergence(model: Model, prompt: list[int], plain: list[int], other: l
     finally:
         ctx.close()
     eog = _eog_tokens(model)
-    stop = eog[int(np.argmax(row[eog]))]  # the end-of-generation token the model likes best here
+    stop = int(eog[int(np.argmax(row[eog]))])  # the end-of-generation token the model likes best here
     a, b = (stop, other[i]) if len(plain) == i else (plain[i], stop)
     gap = float(row[a] - row[b])
     return lossless.Divergence(i, a, b, gap, abs(gap) < lossless.NEAR_TIE)

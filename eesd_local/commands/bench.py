@@ -154,7 +154,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         import json
 
-        write_text_atomic(args.json, json.dumps(report.to_json(res, command), indent=1) + "\n")
+        # a NumPy scalar that slipped into the figures is written as its number, not lost with the run
+        write_text_atomic(args.json, json.dumps(report.to_json(res, command), indent=1,
+                                                default=lambda o: o.item() if hasattr(o, "item") else str(o)) + "\n")
         err.print(f"wrote {args.json}")
     if args.markdown:
         write_text_atomic(args.markdown, f"`{command}`\n\n" + report.markdown(res, summary))

@@ -26,9 +26,15 @@ _install_jit_cache()  # before any kernel module compiles: see jitcache.py
 
 from . import layout as L  # noqa: E402
 from .baselines import HEURISTIC_START  # noqa: E402
-from .kernels import controller_begin, controller_decide, controller_new_request, controller_update  # noqa: E402
+from .kernels import (  # noqa: E402
+    controller_begin,
+    controller_decide,
+    controller_hindsight,
+    controller_new_request,
+    controller_update,
+)
 from .rng import seed_words  # noqa: E402
-from .thompson import BIN_PRIOR, bin_prior_mean  # noqa: E402
+from .thompson import BIN_PRIOR, POS_PRIOR, bin_prior_mean, ts_use_hindsight  # noqa: E402
 
 CONTROLLER_CHOICES = ["cost-ts", "beta-ts", "calibration-ts", "fixed:K", "pmin:P", "heuristic"]
 # cost-ts: >= 0.98 of the best fixed k in hindsight on every process and cost profile of `eesd simulate`
@@ -43,6 +49,7 @@ _THOMPSON = {
     "beta-ts": (0, 0, 0),
     "calibration-ts": (0, 1, 0),
     "cost-ts": (0, 1, 1),
+    "cost-ts:no-hindsight": (0, 1, 1),  # prompt lookup learned from its drafts only (before issue 16's hindsight)
     "beta-ts:paper": (1, 0, 0),
     "calibration-ts:paper": (1, 1, 0),
 }
@@ -55,6 +62,7 @@ class Controller:
         self.name = name
         self.max_draft = int(state[L.MAX_DRAFT])
         self.state = state
+        self.hindsight_allowed = not name.endswith(":no-hindsight")
 
     def begin_request(self) -> None:
         """A new request: acceptance evidence from earlier ones is thinned (thompson.ts_new_request)."""
@@ -70,13 +78,14 @@ class Controller:
             if st[L.KIND] == L.THOMPSON and st[L.N_RESUME] == 0.0 and seconds_per_token > 0.0:
                 st[L.RESUME] = seconds_per_token
 
-    def begin_round(self, offer: int = 0, confidence: float = 0.0, behind: int = 0) -> None:
+    def begin_round(self, offer: int = 0, confidence: float = 0.0, behind: int = 0, match: int = 0) -> None:
         """A round starts. What the loop knows before it: ``offer`` free proposals (prompt lookup's
-        continuation) with this ``confidence`` (0: unknown), and ``behind``, the tokens a draft model
-        would catch up on before drafting."""
+        continuation) with this ``confidence`` (0: unknown) after a context that matches their source
+        over ``match`` tokens, and ``behind``, the tokens a draft model would catch up on before drafting."""
         s = self.state
         s[L.OFFER_N] = offer
         s[L.OFFER_CONF] = confidence
+        s[L.OFFER_MATCH] = match
         s[L.BEHIND] = behind
         s[L.T_CATCHUP] = 0.0
         controller_begin(s)
@@ -103,6 +112,33 @@ class Controller:
         confidences = np.ascontiguousarray(confidences, dtype=np.float64)
         self.state[L.T_CATCHUP] = t_catchup
         controller_update(self.state, confidences, int(n_accepted), float(t_draft - t_catchup), float(t_verify))
+
+    def learn_in_hindsight(self, on: bool = True) -> bool:
+        """Whether the round loop reports every free offer in hindsight (:meth:`hindsight`): prompt
+        lookup's acceptance is then learned from all of them, by match length, rather than from its
+        drafts (thompson.ts_hindsight). The loop asks at every request with ``on`` = its drafter has
+        free offers; returns whether this controller now learns so (a cost-aware Thompson state, or a
+        multi-source state's lookup source). Turning it off restores the confidence bins' prior."""
+        s = self.state
+        if not self.hindsight_allowed:
+            return False
+        if s[L.KIND] == L.MULTI:
+            st = _source_state(s, L.SRC_LOOKUP)
+        elif s[L.KIND] == L.THOMPSON and s[L.RULE] == 0.0 and s[L.BATCH_COSTS] != 0.0:
+            st = s
+        else:
+            return False
+        if on and st[L.HINDSIGHT] == 0.0:
+            ts_use_hindsight(st)
+        elif not on and st[L.HINDSIGHT] != 0.0:
+            st[L.HINDSIGHT] = 0.0
+            _bins_prior(st)
+        return on
+
+    def hindsight(self, match: int, n_offered: int, n_matched: int) -> None:
+        """A free offer of n_offered tokens at match length ``match`` of which the target went on to
+        emit the first n_matched."""
+        controller_hindsight(self.state, int(match), int(n_offered), int(n_matched))
 
     def belief(self) -> dict[str, float]:
         """Posterior of the acceptance rate (all positions pooled) and the running draft length."""
@@ -151,6 +187,7 @@ class Controller:
             k = self.max_draft
             out["positions_alpha_beta_predicted"] = s[L.POS0 : L.vc0(k)].reshape(k, L.POS_WIDTH).tolist()
             out["bins_alpha_beta_predicted"] = s[L.BIN0 : L.POS0].reshape(L.N_BINS, L.BIN_WIDTH).tolist()
+            # (mean, count) per batch size: seconds for a batch of one, the ratio to it for larger batches
             out["verify_mean_count"] = s[L.vc0(k) : L.ve0(k)].reshape(k + 1, 2).tolist()
             out["verify_estimate"] = s[L.ve0(k) : L.th0(k)].tolist()
             out["draft_seconds_per_token"] = float(s[L.EMA_T_DRAFT])
@@ -180,6 +217,13 @@ def _source_state(state: np.ndarray, s: int) -> np.ndarray:
     size = int(L.thompson_size(int(state[L.MAX_DRAFT])))
     at = L.MULTI_HEAD + s * size
     return state[at : at + size]
+
+
+def _bins_prior(state: np.ndarray) -> None:
+    for j in range(L.N_BINS):
+        m = bin_prior_mean(j)
+        b = L.BIN0 + L.BIN_WIDTH * j
+        state[b : b + 3] = BIN_PRIOR * m, BIN_PRIOR * (1.0 - m), BIN_PRIOR * m  # prior: as the positions predict
 
 
 def _bad_spec(spec: str, why: str) -> EesdError:
@@ -213,7 +257,7 @@ def make_controller(spec: str, *, max_draft: int = DRAFT_MAX, seed: int = 0, eps
     if name in ("beta-ts", "calibration-ts", "cost-ts"):
         key = name if not arg else f"{name}:{arg}"
         if key not in _THOMPSON:
-            raise _bad_spec(spec, f"{name} takes no argument other than 'paper'")
+            raise _bad_spec(spec, f"{name} takes no argument other than 'paper'" + (" or 'no-hindsight'" if name == "cost-ts" else ""))
         rule, bins, batch = _THOMPSON[key]
         state = _new_state(int(L.thompson_size(max_draft)), L.THOMPSON, max_draft, seed)
         state[L.RULE] = rule
@@ -221,12 +265,10 @@ def make_controller(spec: str, *, max_draft: int = DRAFT_MAX, seed: int = 0, eps
         state[L.BATCH_COSTS] = batch
         state[L.EPS] = eps
         state[L.FORGET] = forget
-        state[L.POS0 : L.vc0(max_draft)] = 1.0  # Beta(1, 1) at position 1; odds ratio 1 (r = alpha) deeper
+        state[L.POS0 : L.POS0 + 3] = 1.0  # Beta(1, 1) at position 1
+        state[L.POS0 + L.POS_WIDTH : L.vc0(max_draft)] = POS_PRIOR / 2.0  # odds ratio 1 (r = alpha) deeper
         state[L.REQ_SEEN] = 1e9  # no request warm-up until a request begins (begin_request)
-        for j in range(L.N_BINS):
-            m = bin_prior_mean(j)
-            b = L.BIN0 + L.BIN_WIDTH * j
-            state[b : b + 3] = BIN_PRIOR * m, BIN_PRIOR * (1.0 - m), BIN_PRIOR * m  # prior: as the positions predict
+        _bins_prior(state)
         return Controller(key, state)
     if name == "fixed":
         try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from numba import carray, cfunc, types
 
-from .kernels import controller_begin, controller_decide, controller_update
+from .kernels import controller_begin, controller_decide, controller_hindsight, controller_update
 
 _state = types.CPointer(types.float64)
 
@@ -28,6 +28,18 @@ def decide_c(ptr, n, step, confidence):
        cache=True)
 def update_c(ptr, n, conf, n_conf, n_accepted, t_draft, t_verify):
     controller_update(carray(ptr, n), carray(conf, n_conf), n_accepted, t_draft, t_verify)
+
+
+@cfunc(types.void(_state, types.int64, types.int64, types.int64, types.int64), cache=True)
+def hindsight_c(ptr, n, match, n_offered, n_matched):
+    controller_hindsight(carray(ptr, n), match, n_offered, n_matched)
+
+
+def hindsight_address() -> int:
+    """The entry point of learning in hindsight (``Rounds.set_hindsight``)."""
+    addr = hindsight_c.address
+    assert addr, "Numba did not compile the controller cfuncs"
+    return addr
 
 
 def addresses() -> tuple[int, int, int]:

@@ -1,4 +1,4 @@
-"""The three entry points every controller state goes through, dispatched on its kind.
+"""The entry points every controller state goes through, dispatched on its kind.
 
 C-friendly signatures, so the native round loop takes the same code as Numba ``cfunc``s
 (:mod:`.cfuncs` wraps each over the state as (double*, length)):
@@ -7,6 +7,7 @@ C-friendly signatures, so the native round loop takes the same code as Numba ``c
     controller_decide(state: float64[:], step: int64, confidence: float64) -> int64 (1: draft one more)
     controller_update(state: float64[:], confidences: float64[:], n_accepted: int64,
                       t_draft: float64, t_verify: float64) -> None
+    controller_hindsight(state: float64[:], match: int64, n_offered: int64, n_matched: int64) -> None
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from numba import njit
 from .baselines import fixed_decide, heuristic_decide, heuristic_update, pmin_decide
 from .common import update_header
 from .layout import FIXED, HEURISTIC, KIND, MULTI, PMIN, RULE, THOMPSON
-from .multi import multi_begin, multi_decide, multi_new_request, multi_update
-from .thompson import ts_begin, ts_decide, ts_new_request, ts_update
+from .multi import multi_begin, multi_decide, multi_hindsight, multi_new_request, multi_update
+from .thompson import ts_begin, ts_decide, ts_hindsight, ts_new_request, ts_update
 
 
 @njit(cache=True)
@@ -54,6 +55,18 @@ def controller_update(state, confidences, n_accepted, t_draft, t_verify):
         multi_update(state, confidences, n_accepted, t_draft, t_verify)
     elif kind == HEURISTIC:
         heuristic_update(state, confidences, n_accepted)
+
+
+@njit(cache=True)
+def controller_hindsight(state, match, n_offered, n_matched):
+    """A free offer (prompt lookup's n_offered tokens at match length ``match``) whose first n_matched
+    tokens the target went on to emit: a no-op but for controllers that learn in hindsight
+    (layout.HINDSIGHT, thompson.ts_hindsight)."""
+    kind = state[KIND]
+    if kind == THOMPSON:
+        ts_hindsight(state, match, n_offered, n_matched)
+    elif kind == MULTI:
+        multi_hindsight(state, match, n_offered, n_matched)
 
 
 @njit(cache=True)

@@ -37,7 +37,8 @@ OFFER_CONF = 17  # their confidence (the lookup's matched n-gram length over its
 BEHIND = 18  # tokens a draft model would catch up on before drafting (it did not draft for a while)
 SOURCE = 19  # which source drafts this round (set by a multi-source begin: see SRC_*)
 T_CATCHUP = 20  # seconds this round's draft model spent catching up (written by the loop before update)
-HEADER = 21
+OFFER_MATCH = 21  # how many tokens before the offer match its source (lookup's match length, beyond the n-gram)
+HEADER = 22
 
 # the sources of a drafter, as SOURCE numbers them
 SRC_ANY = -2  # the controller does not choose (one source, or a baseline rule): the drafter's own default
@@ -62,7 +63,10 @@ OPEN = HEADER + 8  # drafting pays under the posterior means (1) or not (0): whe
 RESUME = HEADER + 9  # seconds per token a model source spends catching up (charged to resuming, not to drafts)
 N_RESUME = HEADER + 10  # catch-up samples behind RESUME
 REQ_SEEN = HEADER + 11  # rounds of the current request whose drafts were verified (see thompson.ts_new_request)
-BIN0 = HEADER + 12  # N_BINS triples (alpha, beta, predicted) over confidence bins, see thompson.py
+# acceptance of free offers is learned from every offer in hindsight (ts_hindsight), not from drafts, by
+# match length: the BIN0 triples then hold one Beta (alpha, beta, -) per match-length class (thompson.match_class)
+HINDSIGHT = HEADER + 12
+BIN0 = HEADER + 13  # N_BINS triples (alpha, beta, predicted) over confidence bins, see thompson.py
 N_BINS = 10
 BIN_WIDTH = 3
 POS0 = BIN0 + BIN_WIDTH * N_BINS  # K triples (alpha, beta, predicted), one per draft position

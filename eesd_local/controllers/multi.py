@@ -25,16 +25,18 @@ from __future__ import annotations
 
 from numba import njit
 
-from .common import discount, ema, update_header
+from .common import discount, update_header
 from .layout import (
     BEHIND,
     FORGET,
+    HINDSIGHT,
     LAMBDA,
     MAX_DRAFT,
     MULTI_HEAD,
     N_SRC,
     NO_BONUS,
     OFFER_CONF,
+    OFFER_MATCH,
     OFFER_N,
     OPEN,
     POS0,
@@ -46,9 +48,17 @@ from .layout import (
     SRC_NONE,
     T_CATCHUP,
     thompson_size,
-    vc0,
 )
-from .thompson import REQUEST_PROBES, refresh_verify_estimates, ts_begin, ts_decide, ts_new_request, ts_update
+from .thompson import (
+    REQUEST_PROBES,
+    record_verify,
+    refresh_verify_estimates,
+    ts_begin,
+    ts_decide,
+    ts_hindsight,
+    ts_new_request,
+    ts_update,
+)
 
 
 @njit(cache=True)
@@ -70,6 +80,7 @@ def multi_begin(state):
         if s == SRC_LOOKUP:
             sub[OFFER_N] = state[OFFER_N]
             sub[OFFER_CONF] = state[OFFER_CONF]
+            sub[OFFER_MATCH] = state[OFFER_MATCH]
             sub[BEHIND] = 0.0
         else:
             sub[OFFER_N] = 0.0
@@ -115,13 +126,12 @@ def multi_update(state, confidences, n_accepted, t_draft, t_verify):
             update_header(sub, confidences, n_accepted, t_draft, t_verify)
             ts_update(sub, confidences, n_accepted, t_verify)
             continue
-        # not chosen: theta_1 ages as in a round without drafts, and the verify time is the machine's
-        discount(sub, POS0, 1.0, 1.0, sub[FORGET])
+        # not chosen: theta_1 ages as in a round without drafts (unless it learns from offers in hindsight),
+        # and the verify time is the machine's
+        if sub[HINDSIGHT] == 0.0:
+            discount(sub, POS0, 1.0, 1.0, sub[FORGET])
         if t_verify > 0.0 and t_verify < 1e30:
-            k = int(sub[MAX_DRAFT])
-            vc = vc0(k) + 2 * min(b, k)
-            sub[vc + 1] += 1.0
-            sub[vc] = ema(sub[vc], t_verify, sub[vc + 1])
+            record_verify(sub, b, t_verify)
             refresh_verify_estimates(sub)
 
 
@@ -129,3 +139,9 @@ def multi_update(state, confidences, n_accepted, t_draft, t_verify):
 def multi_new_request(state):
     for s in range(int(state[N_SRC])):
         ts_new_request(source_state(state, s))
+
+
+@njit(cache=True)
+def multi_hindsight(state, match, n_offered, n_matched):
+    """Prompt lookup's offer seen in hindsight: its source learns from it (thompson.ts_hindsight)."""
+    ts_hindsight(source_state(state, SRC_LOOKUP), match, n_offered, n_matched)

@@ -45,6 +45,19 @@ ages by the round, observed or not, so after a long closed spell a few probes mo
 the gate reopens within ~170 rounds of a switch to an easy regime on the cpu profiles
 (simulator) while costing ~1% where nothing pays.
 
+Free offers, learned in hindsight (HINDSIGHT; the engine turns it on for prompt lookup, alone
+or as `auto`'s lookup source). A lookup draft is a point proposal, accepted with the chance that
+the target emits it, so the tokens the target goes on to emit tell how far every offer would
+have run, drafted or not: the loop reports each offer once its outcome is known (ts_hindsight),
+and acceptance is learned from all of them at no cost. With full information nothing is gained
+by exploring: the plan takes posterior means, no probes. The model changes too: what predicts
+whether the next offered token is right is how long the context already matches the offer's
+source (L0 tokens before the round, L0 + i after i accepted drafts), so the confidence bins hold
+one Beta per match length (1..9, 10+), forgotten per request like theta_1. On recorded answers of
+the built-in sets (scripts/lookup_replay.py) this is within 1-2% of the best fixed rule per
+category in hindsight, where the position model above lost up to 8% to plain decoding on prose
+(its odds ratios, learned on copy-heavy requests, carried long drafts into prose).
+
 RULE = 1 is the EESD paper's rule, kept for comparison: at each step sample theta (the
 pooled posterior, or the confidence bin's) and go on with probability theta. Its draft
 length is geometric, which loses 6-21% to the best fixed k on the simulator's GPU
@@ -69,12 +82,14 @@ from .layout import (
     EMA_T_VERIFY,
     EPS,
     FORGET,
+    HINDSIGHT,
     LAMBDA,
     MAX_DRAFT,
     N_BINS,
     N_RESUME,
     NO_BONUS,
     OFFER_CONF,
+    OFFER_MATCH,
     OFFER_N,
     OPEN,
     POS0,
@@ -94,6 +109,7 @@ from .layout import (
 from .rng import beta, uniform
 
 BIN_PRIOR = 2.0  # prior strength of a confidence bin, centred on the bin's confidence
+POS_PRIOR = 2.0  # prior strength of a deeper position's odds ratio, centred on 1 ("as good as the one before")
 RATIO_FORGET = 0.995  # odds ratios (deeper positions, bins) keep ~200 observations: they are stable, and noisy with few
 LINE_PRIOR = 3.0  # pseudo-samples of the fitted verify-time line behind each batch size's own mean
 GATE_Z = 0.5  # how optimistic the "does any k pay?" gate is, in posterior sds of theta_1
@@ -101,6 +117,10 @@ THETA_CLAMP = 1e-9  # keeps odds finite when a sampled theta rounds to 0 or 1
 REQUEST_EVIDENCE = 4.0  # observations of theta_1 a new request starts with (ts_new_request)
 REQUEST_RATIO_EVIDENCE = 16.0  # observations each deeper position's odds ratio keeps at a new request
 REQUEST_PROBES = 2  # a new request's gate stays closed until this many of its rounds were verified
+MATCH_PRIOR = 2.0  # prior strength of a match-length class (HINDSIGHT)
+MATCH_REQUEST_EVIDENCE = 16.0  # observations each match-length class keeps at a new request (HINDSIGHT)
+MATCH_FORGET = 0.99  # a match-length class keeps ~100 observations (HINDSIGHT)
+MATCH_MARGIN = 0.05  # a round drafts only if its plan beats plain decoding's rate by this share (HINDSIGHT)
 
 
 @njit(cache=True)
@@ -114,6 +134,27 @@ def conf_bin(confidence):
 def bin_prior_mean(i):
     u = 1.0 - (i + 0.5) / N_BINS
     return 1.0 - u * u
+
+
+@njit(cache=True)
+def _size_mean(state, vc, b):
+    """Mean seconds of a verify of b + 1 tokens: a batch of one is kept in seconds, a larger one as its
+    ratio to a batch of one at the time (record_verify), so a machine that gets busier or quieter moves
+    every size at once, not only the sizes that happen to run."""
+    return state[vc] if b == 0 else state[vc + 2 * b] * state[vc]
+
+
+@njit(cache=True)
+def record_verify(state, b, t_verify):
+    """One verify of b + 1 tokens that took t_verify seconds into the per-size means (cost-aware TS)."""
+    k = int(state[MAX_DRAFT])
+    vc = vc0(k) + 2 * min(b, k)
+    if b == 0:
+        state[vc + 1] += 1.0
+        state[vc] = ema(state[vc], t_verify, state[vc + 1])
+    elif state[vc0(k) + 1] > 0.0 and state[vc0(k)] > 0.0:  # a ratio needs a batch of one timed first
+        state[vc + 1] += 1.0
+        state[vc] = ema(state[vc], t_verify / state[vc0(k)], state[vc + 1])
 
 
 @njit(cache=True)
@@ -141,7 +182,7 @@ def refresh_verify_estimates(state):
     sxy = 0.0
     for b in range(k + 1):
         n = state[vc + 2 * b + 1]
-        y = state[vc + 2 * b]
+        y = _size_mean(state, vc, b)
         sw += n
         sx += n * b
         sy += n * y
@@ -157,7 +198,7 @@ def refresh_verify_estimates(state):
     top = 0  # the largest batch size timed so far
     for b in range(k + 1):
         n = state[vc + 2 * b + 1]
-        state[ve + b] = (n * state[vc + 2 * b] + LINE_PRIOR * (icpt + slope * b)) / (n + LINE_PRIOR)
+        state[ve + b] = (n * _size_mean(state, vc, b) + LINE_PRIOR * (icpt + slope * b)) / (n + LINE_PRIOR)
         if n > 0.0:
             top = b
     # sizes beyond the largest timed one cost no more than it (optimistic, so they get tried): a line
@@ -186,11 +227,11 @@ def _mean_ratio(state, at):
 
 
 @njit(cache=True)
-def _observe_ratio(state, at, prior_mean, accepted, predicted):
-    """One outcome into a triple; the prior says 'as predicted' (ratio 1) with strength BIN_PRIOR."""
-    a0 = BIN_PRIOR * prior_mean
+def _observe_ratio(state, at, strength, prior_mean, accepted, predicted):
+    """One outcome into a triple; the prior says 'as predicted' (ratio 1) with this strength."""
+    a0 = strength * prior_mean
     state[at + 2] = a0 + RATIO_FORGET * (state[at + 2] - a0) + predicted
-    observe(state, at, a0, BIN_PRIOR - a0, RATIO_FORGET, accepted)
+    observe(state, at, a0, strength - a0, RATIO_FORGET, accepted)
 
 
 @njit(cache=True)
@@ -231,6 +272,9 @@ def ts_begin(state):
     state[NO_BONUS] = 0.0
     if state[RULE] != 0.0:
         state[PROBE] = 1.0 if uniform(state, RNG) < state[EPS] else 0.0
+        return
+    if state[HINDSIGHT] != 0.0:
+        _hindsight_begin(state)
         return
     kk = plan_limit(state)
     th = th0(k)
@@ -283,6 +327,12 @@ def _best_rate(state, odds_1, out, ve, d, k, resume):
         if i > 0:
             odds *= _mean_ratio(state, POS0 + POS_WIDTH * i)
         state[out + i] = _prob(odds)
+    return _rate_of(state, out, ve, d, k, resume)
+
+
+@njit(cache=True)
+def _rate_of(state, out, ve, d, k, resume):
+    """max_n E[N_n] / C_n over n = 0..k for the chances p_1..p_k at state[out:out+k]."""
     lam = 0.0
     gain = 1.0
     p_all = 1.0
@@ -294,6 +344,86 @@ def _best_rate(state, odds_1, out, ve, d, k, resume):
         if cost > 0.0:
             lam = max(lam, gain / cost)
     return lam
+
+
+# --- learning in hindsight (free offers: prompt lookup) -------------------------------------
+#
+# A point proposal d is accepted with the chance p(d) that the target emits d (greedy or sampled),
+# so the tokens the target goes on to emit say, for every offer, how far the draft it would have
+# been runs, whatever the round drafted. With every offer seen, nothing is learned by exploring
+# (full information): the plan takes posterior means, and a closed gate drafts nothing (no probes).
+# What predicts acceptance is how long the context already matches the offer's source: a token
+# drafted after i accepted ones extends a match of L0 tokens to L0 + i. So one Beta per match-length
+# class (L = 1, 2, .., N_BINS - 1, and N_BINS or more), learned per request (a rewrite copies long
+# runs, an essay matches short phrases that its answer does not continue), forgetting by FORGET.
+
+
+@njit(cache=True)
+def match_class(length):
+    return min(max(int(length), 1), N_BINS) - 1
+
+
+@njit(cache=True)
+def match_prior_mean(c):
+    """Before any evidence: a longer match is a safer bet (1 token 0.25, 4 tokens 0.62, 10 or more 0.9)."""
+    return 1.0 - 0.75 * 0.8 ** c
+
+
+@njit(cache=True)
+def ts_use_hindsight(state):
+    """Turn HINDSIGHT on: the confidence bins become match-length classes at their prior."""
+    state[HINDSIGHT] = 1.0
+    for c in range(N_BINS):
+        at = BIN0 + BIN_WIDTH * c
+        m = match_prior_mean(c)
+        state[at] = MATCH_PRIOR * m
+        state[at + 1] = MATCH_PRIOR * (1.0 - m)
+        state[at + 2] = 0.0
+
+
+@njit(cache=True)
+def _match_mean(state, length):
+    at = BIN0 + BIN_WIDTH * match_class(length)
+    return state[at] / (state[at] + state[at + 1])
+
+
+@njit(cache=True)
+def _hindsight_begin(state):
+    """Plan the round from the match-length classes' means (OFFER_MATCH: the offer's match length)."""
+    k = int(state[MAX_DRAFT])
+    kk = plan_limit(state)
+    th = th0(k)
+    ve = ve0(k)
+    state[PREFIX] = 1.0
+    state[NO_BONUS] = 0.0
+    state[PROBE] = 0.0
+    if state[OFFER_N] <= 0.0:
+        state[OPEN] = 0.0
+        state[LAMBDA] = 0.0
+        return
+    match = state[OFFER_MATCH]
+    for i in range(kk):
+        state[th + i] = _match_mean(state, match + i)
+    lam = _rate_of(state, th, ve, state[EMA_T_DRAFT], kk, 0.0)
+    state[LAMBDA] = lam
+    v1 = state[ve]
+    state[OPEN] = 1.0 if v1 > 0.0 and lam > (1.0 + MATCH_MARGIN) / v1 else 0.0
+
+
+@njit(cache=True)
+def ts_hindsight(state, match, n_offered, n_matched):
+    """An offer of n_offered tokens at match length ``match``, of which the target went on to emit
+    the first n_matched: one observation per token up to the first miss (HINDSIGHT on)."""
+    if state[HINDSIGHT] == 0.0:
+        return
+    n = min(int(n_offered), int(state[MAX_DRAFT]))
+    a = min(max(int(n_matched), 0), n)
+    forget = MATCH_FORGET
+    for i in range(min(a + 1, n)):
+        c = match_class(match + i)
+        m = match_prior_mean(c)
+        observe(state, BIN0 + BIN_WIDTH * c, MATCH_PRIOR * m, MATCH_PRIOR * (1.0 - m), forget, 1.0 if i < a else 0.0)
+    state[REQ_SEEN] += 1.0
 
 
 @njit(cache=True)
@@ -316,7 +446,7 @@ def ts_decide(state, step, confidence):
     if step > 0:
         p = state[th + step - 1]
         # a token's own confidence, unless the offer's confidence already conditioned the whole plan
-        if state[USE_BINS] != 0.0 and not 0.0 < state[OFFER_CONF] < 1.0:
+        if state[USE_BINS] != 0.0 and state[HINDSIGHT] == 0.0 and not 0.0 < state[OFFER_CONF] < 1.0:
             b = BIN0 + BIN_WIDTH * conf_bin(confidence)
             theta = beta(state, RNG, state[b], state[b + 1])
             p = _prob(_odds(p) * _odds(theta) / _odds(state[b + 2] / (state[b] + state[b + 1])))
@@ -347,10 +477,9 @@ def _paper_decide(state, step, confidence):
 
 
 @njit(cache=True)
-def ts_update(state, confidences, n_accepted, t_verify):
-    k = int(state[MAX_DRAFT])
-    n = confidences.shape[0]
-    a = min(max(n_accepted, 0), n)
+def _learn(state, confidences, n, a):
+    """Acceptance evidence of n drafts (or offered tokens) of which the first a were accepted:
+    positions 1..min(a + 1, n) are observed, each conditional on the ones before it."""
     bins = state[USE_BINS] != 0.0
     odds_prev = _odds(state[POS0] / (state[POS0] + state[POS0 + 1]))  # predictions use the state before this round
     for i in range(min(a + 1, n)):
@@ -359,24 +488,30 @@ def ts_update(state, confidences, n_accepted, t_verify):
         odds_i = odds_prev if i == 0 else odds_prev * _mean_ratio(state, at)
         if bins:
             j = conf_bin(confidences[i])
-            _observe_ratio(state, BIN0 + BIN_WIDTH * j, bin_prior_mean(j), accepted, _prob(odds_i))
+            _observe_ratio(state, BIN0 + BIN_WIDTH * j, BIN_PRIOR, bin_prior_mean(j), accepted, _prob(odds_i))
         if i > 0:
-            _observe_ratio(state, at, 0.5, accepted, _prob(odds_prev))
+            _observe_ratio(state, at, POS_PRIOR, 0.5, accepted, _prob(odds_prev))
         odds_prev = odds_i
-    if n > 0:
-        observe(state, POS0, 1.0, 1.0, state[FORGET], 1.0 if a > 0 else 0.0)
-        state[REQ_SEEN] += 1.0
-    else:  # theta_1's evidence ages by the round, seen or not, so a closed gate's estimate stays current
-        discount(state, POS0, 1.0, 1.0, state[FORGET])
+    observe(state, POS0, 1.0, 1.0, state[FORGET], 1.0 if a > 0 else 0.0)
+    state[REQ_SEEN] += 1.0
+
+
+@njit(cache=True)
+def ts_update(state, confidences, n_accepted, t_verify):
+    n = confidences.shape[0]
+    a = min(max(n_accepted, 0), n)
+    if state[HINDSIGHT] == 0.0:  # with HINDSIGHT the loop reports every offer (ts_hindsight): drafts are in it
+        if n > 0:
+            _learn(state, confidences, n, a)
+        else:  # theta_1's evidence ages by the round, seen or not, so a closed gate's estimate stays current
+            discount(state, POS0, 1.0, 1.0, state[FORGET])
     behind = state[BEHIND]
     if n > 0 and behind > 1.0 and state[T_CATCHUP] > 0.0 and state[T_CATCHUP] < 1e30:
         state[N_RESUME] += 1.0  # a draft model caught up before drafting: seconds per token of catching up
         state[RESUME] = ema(state[RESUME], state[T_CATCHUP] / behind, state[N_RESUME])
     if t_verify > 0.0 and t_verify < 1e30:  # a missing or NaN timing must not poison the means
         b = n - 1 if state[NO_BONUS] != 0.0 and n > 0 else n  # the verify batch held n + 1 tokens, or n
-        vc = vc0(k) + 2 * min(b, k)
-        state[vc + 1] += 1.0
-        state[vc] = ema(state[vc], t_verify, state[vc + 1])
+        record_verify(state, b, t_verify)
     refresh_verify_estimates(state)
 
 
@@ -389,6 +524,18 @@ def ts_new_request(state):
     the machine costs (verify times, draft times) and how the drafter's confidence relates to
     acceptance are kept: they do not change with the request."""
     state[REQ_SEEN] = 0.0
+    if state[HINDSIGHT] != 0.0:  # the match-length classes are the request's: thinned alike
+        for c in range(N_BINS):
+            at = BIN0 + BIN_WIDTH * c
+            m = match_prior_mean(c)
+            a0 = MATCH_PRIOR * m
+            b0 = MATCH_PRIOR * (1.0 - m)
+            n = state[at] + state[at + 1] - MATCH_PRIOR
+            if n > MATCH_REQUEST_EVIDENCE:
+                w = MATCH_REQUEST_EVIDENCE / n
+                state[at] = a0 + w * (state[at] - a0)
+                state[at + 1] = b0 + w * (state[at + 1] - b0)
+        return
     a = state[POS0] - 1.0
     b = state[POS0 + 1] - 1.0
     n = a + b
@@ -398,10 +545,10 @@ def ts_new_request(state):
         state[POS0 + 1] = 1.0 + w * b
     # how far a draft runs on once its first token is right is the request's too (a copied block
     # runs on, prose does not): each deeper position's odds-ratio evidence is thinned alike
-    a0 = BIN_PRIOR * 0.5
+    a0 = POS_PRIOR * 0.5
     for i in range(1, int(state[MAX_DRAFT])):
         at = POS0 + POS_WIDTH * i
-        n = state[at] + state[at + 1] - BIN_PRIOR
+        n = state[at] + state[at + 1] - POS_PRIOR
         if n > REQUEST_RATIO_EVIDENCE:
             w = REQUEST_RATIO_EVIDENCE / n
             state[at] = a0 + w * (state[at] - a0)

@@ -18,6 +18,8 @@ from .model import ModelDrafter
 
 
 class AutoDrafter:
+    free_offers = True  # lookup's offers are free proposals: the controller may learn from each in hindsight
+
     def __init__(self, model: ModelDrafter | None = None, lookup: LookupDrafter | None = None) -> None:
         self.lookup = lookup or LookupDrafter()
         self.model = model
@@ -34,7 +36,7 @@ class AutoDrafter:
     def offer(self, history: list[int], max_n: int) -> Offer:
         o = self.lookup.offer(history, max_n)
         behind = self.model.behind(history) if self.model is not None else 0
-        self._offer = Offer(o.n, o.confidence, behind)
+        self._offer = Offer(o.n, o.confidence, behind, o.tokens, o.match)
         return self._offer
 
     def propose(self, history: list[int], want_more: WantMore, max_n: int, params: SamplingParams,

@@ -33,6 +33,8 @@ class Offer(NamedTuple):
     n: int = 0  # free proposals on offer (prompt lookup's continuation length)
     confidence: float = 0.0  # their confidence (0: unknown)
     behind: int = 0  # tokens a draft model would catch up on before its first draft
+    tokens: tuple[int, ...] = ()  # the free proposals themselves (for learning from them in hindsight)
+    match: int = 0  # how many tokens before them match their source (lookup: at least the n-gram, up to MATCH_CAP)
 
 
 @dataclass

@@ -7,6 +7,8 @@ from __future__ import annotations
 from ..sampling import SamplingParams, Uniform
 from .base import SRC_ANY, NativeSpec, Offer, Proposal, WantMore
 
+MATCH_CAP = 16  # a match is measured up to this many tokens (the controller pools 10 and more)
+
 
 def match_confidence(n: int, ngram_max: int) -> float:
     """A matched n-gram's confidence, strictly inside (0, 1) so that the controller can tell it
@@ -16,6 +18,7 @@ def match_confidence(n: int, ngram_max: int) -> float:
 
 class LookupDrafter:
     name = "lookup"
+    free_offers = True  # its offers are its proposals: the controller may learn from each in hindsight
 
     def __init__(self, ngram_max: int = 4, ngram_min: int = 1) -> None:
         self.ngram_max = ngram_max
@@ -43,18 +46,28 @@ class LookupDrafter:
 
     def lookup(self, history: list[int], max_n: int) -> tuple[list[int], int]:
         """(continuation, n of the matched n-gram) for the longest suffix n-gram seen before."""
+        cont, n, _ = self.lookup_match(history, max_n)
+        return cont, n
+
+    def lookup_match(self, history: list[int], max_n: int) -> tuple[list[int], int, int]:
+        """(continuation, n of the matched n-gram, match length): the match length counts how many
+        tokens before the continuation agree with the history's end, n and on, up to MATCH_CAP."""
         self._update(history)
         for n in range(self.ngram_max, self.ngram_min - 1, -1):
             if len(history) < n:
                 continue
             e = self._index.get(tuple(history[-n:]))
             if e is not None:
-                return history[e + 1 : e + 1 + max_n], n
-        return [], 0
+                length = n
+                while length < MATCH_CAP and e - length >= 0 and history[e - length] == history[-1 - length]:
+                    length += 1
+                return history[e + 1 : e + 1 + max_n], n, length
+        return [], 0, 0
 
     def offer(self, history: list[int], max_n: int) -> Offer:
-        cont, n = self.lookup(history, max_n)
-        return Offer(len(cont), match_confidence(n, self.ngram_max) if cont else 0.0)
+        cont, n, length = self.lookup_match(history, max_n)
+        return Offer(len(cont), match_confidence(n, self.ngram_max) if cont else 0.0, tokens=tuple(cont),
+                     match=length if cont else 0)
 
     def propose(self, history: list[int], want_more: WantMore, max_n: int, params: SamplingParams,
                 rng: Uniform, source: int = SRC_ANY) -> Proposal:
