@@ -78,7 +78,9 @@ class Drafter(Protocol):
         """Up to ``max_n`` tokens continuing ``history`` (which ends with the last emitted token).
         Optional: ``offer(history, max_n) -> Offer``, what a round could have for free before the
         controller begins it; a drafter with ``n_sources`` > 1 also takes ``source=`` (the one the
-        controller picked: SRC_LOOKUP, SRC_MODEL, SRC_NONE, or SRC_ANY)."""
+        controller picked: SRC_LOOKUP, SRC_MODEL, SRC_NONE, or SRC_ANY). A drafter whose offers are
+        its proposals (``Offer.tokens``, prompt lookup) sets ``free_offers = True``: the round loops
+        then report each offer to the controller in hindsight (rounds.Hindsight)."""
 
     def native(self) -> NativeSpec | None:
         """The native loop's form of this drafter, or None to run it in the Python loop."""
