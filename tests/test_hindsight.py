@@ -232,7 +232,9 @@ def test_auto_writes_without_drafting_then_copies_with_lookup(qwen05_path):
     ends = np.cumsum([r.emitted for r in rounds])
     writing = [r for r, end in zip(rounds, ends, strict=True) if 12 <= end < body - 2]
     copying = [r for r, end in zip(rounds, ends, strict=True) if body + 2 <= end - r.emitted and end <= body + 60]
-    assert sum(r.drafted - r.accepted for r in writing) <= 10, [(r.drafted, r.accepted) for r in writing]
-    assert sum(r.drafted for r in writing) <= 0.5 * len(writing)
+    # (measured here: 13 drafted, 6 wasted over 89 writing rounds; learning lookup from its own drafts
+    # instead, `cost-ts:no-hindsight`: 61 drafted, 40 wasted over 96; bounds leave room for timing noise)
+    assert sum(r.drafted - r.accepted for r in writing) <= 16, [(r.drafted, r.accepted) for r in writing]
+    assert sum(r.drafted for r in writing) <= 0.4 * len(writing), [(r.drafted, r.accepted) for r in writing]
     kept = sum(r.accepted for r in copying if r.source == "lookup")
-    assert kept >= 30, [(r.drafted, r.accepted, r.source) for r in copying]
+    assert kept >= 24, [(r.drafted, r.accepted, r.source) for r in copying]
