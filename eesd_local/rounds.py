@@ -85,7 +85,8 @@ class Hindsight:
     resolved by the tokens the target emits after it, drafted or not: at the first one that differs
     from the offer (m matched), or when all n matched. Pending offers (at most one per round, each
     resolved within n emitted tokens) are dropped at a new request. The native loop keeps the same
-    record (native/rounds.cpp, ``Rounds::hindsight``)."""
+    record (native/rounds.cpp, ``Rounds::see_offers``); this one is the reference, and
+    tests/test_hindsight.py holds the two to the same reports."""
 
     def __init__(self, controller: Controller) -> None:
         self.ctl = controller

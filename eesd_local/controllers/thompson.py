@@ -355,7 +355,7 @@ def _rate_of(state, out, ve, d, k, resume):
 # What predicts acceptance is how long the context already matches the offer's source: a token
 # drafted after i accepted ones extends a match of L0 tokens to L0 + i. So one Beta per match-length
 # class (L = 1, 2, .., N_BINS - 1, and N_BINS or more), learned per request (a rewrite copies long
-# runs, an essay matches short phrases that its answer does not continue), forgetting by FORGET.
+# runs, an essay matches short phrases that its answer does not continue), forgetting by MATCH_FORGET.
 
 
 @njit(cache=True)
@@ -370,14 +370,19 @@ def match_prior_mean(c):
 
 
 @njit(cache=True)
+def _match_prior(c):
+    """(alpha, beta) of match-length class c before any evidence."""
+    m = match_prior_mean(c)
+    return MATCH_PRIOR * m, MATCH_PRIOR * (1.0 - m)
+
+
+@njit(cache=True)
 def ts_use_hindsight(state):
     """Turn HINDSIGHT on: the confidence bins become match-length classes at their prior."""
     state[HINDSIGHT] = 1.0
     for c in range(N_BINS):
         at = BIN0 + BIN_WIDTH * c
-        m = match_prior_mean(c)
-        state[at] = MATCH_PRIOR * m
-        state[at + 1] = MATCH_PRIOR * (1.0 - m)
+        state[at], state[at + 1] = _match_prior(c)
         state[at + 2] = 0.0
 
 
@@ -418,11 +423,10 @@ def ts_hindsight(state, match, n_offered, n_matched):
         return
     n = min(int(n_offered), int(state[MAX_DRAFT]))
     a = min(max(int(n_matched), 0), n)
-    forget = MATCH_FORGET
     for i in range(min(a + 1, n)):
         c = match_class(match + i)
-        m = match_prior_mean(c)
-        observe(state, BIN0 + BIN_WIDTH * c, MATCH_PRIOR * m, MATCH_PRIOR * (1.0 - m), forget, 1.0 if i < a else 0.0)
+        a0, b0 = _match_prior(c)
+        observe(state, BIN0 + BIN_WIDTH * c, a0, b0, MATCH_FORGET, 1.0 if i < a else 0.0)
     state[REQ_SEEN] += 1.0
 
 
@@ -526,42 +530,30 @@ def ts_new_request(state):
     state[REQ_SEEN] = 0.0
     if state[HINDSIGHT] != 0.0:  # the match-length classes are the request's: thinned alike
         for c in range(N_BINS):
-            at = BIN0 + BIN_WIDTH * c
-            m = match_prior_mean(c)
-            a0 = MATCH_PRIOR * m
-            b0 = MATCH_PRIOR * (1.0 - m)
-            n = state[at] + state[at + 1] - MATCH_PRIOR
-            if n > MATCH_REQUEST_EVIDENCE:
-                w = MATCH_REQUEST_EVIDENCE / n
-                state[at] = a0 + w * (state[at] - a0)
-                state[at + 1] = b0 + w * (state[at + 1] - b0)
+            a0, b0 = _match_prior(c)
+            _thin(state, BIN0 + BIN_WIDTH * c, a0, b0, MATCH_REQUEST_EVIDENCE, False)
         return
-    a = state[POS0] - 1.0
-    b = state[POS0 + 1] - 1.0
-    n = a + b
-    if n > REQUEST_EVIDENCE:
-        w = REQUEST_EVIDENCE / n
-        state[POS0] = 1.0 + w * a
-        state[POS0 + 1] = 1.0 + w * b
+    _thin(state, POS0, 1.0, 1.0, REQUEST_EVIDENCE, False)
     # how far a draft runs on once its first token is right is the request's too (a copied block
     # runs on, prose does not): each deeper position's odds-ratio evidence is thinned alike
     a0 = POS_PRIOR * 0.5
     for i in range(1, int(state[MAX_DRAFT])):
-        at = POS0 + POS_WIDTH * i
-        n = state[at] + state[at + 1] - POS_PRIOR
-        if n > REQUEST_RATIO_EVIDENCE:
-            w = REQUEST_RATIO_EVIDENCE / n
-            state[at] = a0 + w * (state[at] - a0)
-            state[at + 1] = a0 + w * (state[at + 1] - a0)
-            state[at + 2] = a0 + w * (state[at + 2] - a0)
+        _thin(state, POS0 + POS_WIDTH * i, a0, a0, REQUEST_RATIO_EVIDENCE, True)
     # and so, for prompt lookup, is what a match length is worth (a 4-gram match continues a copied block
     # in a rewrite and a common phrase in an essay): the confidence bins are thinned alike
     for j in range(N_BINS):
-        at = BIN0 + BIN_WIDTH * j
         b0 = BIN_PRIOR * bin_prior_mean(j)
-        n = state[at] + state[at + 1] - BIN_PRIOR
-        if n > REQUEST_RATIO_EVIDENCE:
-            w = REQUEST_RATIO_EVIDENCE / n
-            state[at] = b0 + w * (state[at] - b0)
-            state[at + 1] = (BIN_PRIOR - b0) + w * (state[at + 1] - (BIN_PRIOR - b0))
-            state[at + 2] = b0 + w * (state[at + 2] - b0)
+        _thin(state, BIN0 + BIN_WIDTH * j, b0, BIN_PRIOR - b0, REQUEST_RATIO_EVIDENCE, True)
+
+
+@njit(cache=True)
+def _thin(state, at, a0, b0, keep, predicted):
+    """Thin the Beta (alpha, beta) at state[at:at+2] to ``keep`` observations beyond its prior (a0, b0),
+    around the same mean; ``predicted``: the triple's third entry (what was predicted) goes alike."""
+    n = state[at] + state[at + 1] - a0 - b0
+    if n > keep:
+        w = keep / n
+        state[at] = a0 + w * (state[at] - a0)
+        state[at + 1] = b0 + w * (state[at + 1] - b0)
+        if predicted:
+            state[at + 2] = a0 + w * (state[at + 2] - a0)
