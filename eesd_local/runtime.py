@@ -27,6 +27,56 @@ from .registry import check_gguf
 
 memtune.tune()  # vocabulary-sized arrays reuse heap pages (see memtune.py)
 
+
+def cpu_has_amx(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU advertises AMX (Intel Sapphire Rapids and later)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            return False
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            return "amx_int8" in line.split(":", 1)[-1].split()
+    return False
+
+
+def extra_bufts_allowed(cpuinfo: str | None = None) -> bool:
+    """Whether llama.cpp may repack weights into its extra CPU buffer types.
+
+    On CPUs with AMX a native build of llama.cpp puts the weights in its AMX buffer, and the
+    vendored llama.cpp's AMX matmul crashes the process (SIGSEGV on the first decode) on some
+    virtual machines (ggml-org/llama.cpp#20824): there the extra buffer types stay off and the
+    ordinary AVX-512 kernels run. EESD_EXTRA_BUFTS=1 (or 0) overrides the choice.
+    """
+    env = os.environ.get("EESD_EXTRA_BUFTS")
+    if env in ("0", "1"):
+        return env == "1"
+    return not cpu_has_amx(cpuinfo)
+
+
+def _guard_model_defaults() -> None:
+    """Make llama.cpp's default model parameters safe on this CPU, for every loader in the
+    process (ours and llama-cpp-python's ``Llama``, which the bench and tests use too)."""
+    import llama_cpp.llama_cpp as raw
+
+    orig = raw.llama_model_default_params
+    if getattr(orig, "_eesd_guarded", False):
+        return
+
+    def llama_model_default_params():  # noqa: ANN202 - same signature as llama.cpp's
+        params = orig()
+        if not extra_bufts_allowed():
+            params.use_extra_bufts = False
+        return params
+
+    llama_model_default_params._eesd_guarded = True  # type: ignore[attr-defined]
+    raw.llama_model_default_params = llama_model_default_params
+    lc.llama_model_default_params = llama_model_default_params
+
+
+_guard_model_defaults()
+
 _backend_lock = threading.Lock()
 _backend_ready = False
 _log_cb: Any = None

@@ -104,6 +104,8 @@ class LlamaRunner:
     def __init__(self, model_path: Path, *, n_parallel: int, n_ctx_per_seq: int, threads: int, n_batch: int = 512):
         import llama_cpp as L
 
+        from .. import runtime  # noqa: F401 - its import makes llama.cpp's model defaults safe on AMX CPUs
+
         self.L = L
         L.llama_backend_init()
         _quiet_logs(L)
