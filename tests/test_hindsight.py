@@ -16,6 +16,7 @@ from eesd_local.drafters.lookup import MATCH_CAP, LookupDrafter
 from eesd_local.events import RoundEvent, TokenEvent
 from eesd_local.rounds import Hindsight
 from eesd_local.tinygguf import write_tiny_gguf
+from eesd_local.weights import batch_costs
 
 T = 0.02  # seconds of a plain target token in the made-up costs below
 
@@ -206,35 +207,62 @@ ASK = ("Add a docstring to this function and return the whole function. After th
        "sentences how it works.\n\n```python\n" + CODE + "```")
 
 
+def _longest_copy(prompt: list[int], toks: list[int], n: int = 4) -> tuple[int, int]:
+    """(start, length) of the longest stretch of ``toks`` whose every n-gram ending in it occurs in
+    ``prompt``: where the answer copies its input."""
+    grams = {tuple(prompt[i : i + n]) for i in range(len(prompt) - n + 1)}
+    best, run = (0, 0), 0
+    for i in range(len(toks)):
+        run = run + 1 if i >= n - 1 and tuple(toks[i - n + 1 : i + 1]) in grams else 0
+        if run > best[1]:
+            best = (i - run + 1, run)
+    return best
+
+
 def test_auto_writes_without_drafting_then_copies_with_lookup(qwen05_path):
     """One request that writes something new (a docstring) and then copies its input (the function's
-    body): while it writes, lookup's short matches are rarely drafted and little is wasted; once it
+    body): while it writes, what lookup's short matches are drafted costs next to nothing against plain
+    decoding, priced by this machine's own B(k) (where a batch of 2 costs 1.86 tokens it drafts
+    rarely; where it costs 1.12, a one-token draft pays from p = 0.12 and it drafts more); once it
     copies, lookup drafts long runs and keeps them. The output is plain decoding's but at certified
     near ties."""
     msg = [{"role": "user", "content": ASK}]
     with eesd_local.load(qwen05_path, drafter="none") as plain:
         prompt = plain.tokenize(plain.apply_chat_template(msg))
         ref = [e.token for e in plain.generate(prompt, max_tokens=200) if isinstance(e, TokenEvent)]
+        body, n_copied = _longest_copy(prompt, ref)
+        # (which lines it copies verbatim depends on the CPU's rounding: found, not pinned)
+        assert body > 40 and n_copied >= 30, f"plain decoding did not write a docstring and then copy: {(body, n_copied)}"
+        followed = None
+        cost = batch_costs([qwen05_path], range(1, 10), repeats=6)[0].ratios  # this machine's B(k)
         with eesd_local.load(qwen05_path, drafter="auto") as eng:
             eng.run(eng.apply_chat_template([{"role": "user", "content": "Say hello."}]), max_tokens=16)  # costs
-            evs = list(eng.generate(prompt, max_tokens=200))
-        got = [e.token for e in evs if isinstance(e, TokenEvent)]
-        div = lossless.compare(plain.model, prompt, ref, got)
-        assert div is None or div.near_tie, div
-    # where the copied body starts, in generated tokens
-    text, body = "", None
-    for i, e in enumerate(e for e in evs if isinstance(e, TokenEvent)):
-        text += e.text
-        if body is None and "intervals = sorted(" in text:
-            body = i
-    assert body is not None and body > 40, f"the answer did not write a docstring and then the body: {text!r}"
-    rounds = [e for e in evs if isinstance(e, RoundEvent)]
-    ends = np.cumsum([r.emitted for r in rounds])
-    writing = [r for r, end in zip(rounds, ends, strict=True) if 12 <= end < body - 2]
-    copying = [r for r, end in zip(rounds, ends, strict=True) if body + 2 <= end - r.emitted and end <= body + 60]
-    # (measured here: 13 drafted, 6 wasted over 89 writing rounds; learning lookup from its own drafts
-    # instead, `cost-ts:no-hindsight`: 61 drafted, 40 wasted over 96; bounds leave room for timing noise)
-    assert sum(r.drafted - r.accepted for r in writing) <= 16, [(r.drafted, r.accepted) for r in writing]
-    assert sum(r.drafted for r in writing) <= 0.4 * len(writing), [(r.drafted, r.accepted) for r in writing]
+            # a certified near tie before the copy may send the answer elsewhere (the copy check then
+            # needs another try; each try is checked for losslessness and for what it wastes while writing)
+            for _ in range(3):
+                evs = list(eng.generate(prompt, max_tokens=200))
+                got = [e.token for e in evs if isinstance(e, TokenEvent)]
+                div = lossless.compare(plain.model, prompt, ref, got)
+                assert div is None or div.near_tie, div
+                rounds = [e for e in evs if isinstance(e, RoundEvent)]
+                ends = np.cumsum([r.emitted for r in rounds])
+                writing = [r for r, end in zip(rounds, ends, strict=True) if 12 <= end < min(body - 2, len(got))
+                           and got[:end] == ref[:end]]
+                # time beyond plain decoding's for the same tokens, in plain tokens: a round of d drafts with
+                # a accepted costs B(d + 1) and gives a + 1 tokens (lookup's search is free)
+                extra = sum(cost[r.drafted + 1] - (1 + r.accepted) for r in writing if r.drafted)
+                # (AMD EPYC, B(2) 1.86: 13 drafted, 6 wasted over 89 writing rounds, about +0.045 a round; learning
+                # lookup from its own drafts instead, `cost-ts:no-hindsight`: 61 drafted, 40 wasted over 96, about
+                # +0.3. Intel Xeon with AVX-512 and no repacking, B(2) 1.10: -0.06..-0.12 a round, and -0.01..-0.08
+                # without hindsight: drafting pays even while writing there)
+                assert extra <= 0.08 * len(writing), (extra, [(r.drafted, r.accepted) for r in writing if r.drafted])
+                if got[: body + n_copied] == ref[: body + n_copied]:
+                    followed = rounds
+                    break
+    if followed is None:
+        pytest.skip("three answers left plain decoding's at certified near ties before the copy")
+    ends = np.cumsum([r.emitted for r in followed])
+    copying = [r for r, end in zip(followed, ends, strict=True)
+               if body + 2 <= end - r.emitted and end <= body + min(n_copied, 60)]
     kept = sum(r.accepted for r in copying if r.source == "lookup")
-    assert kept >= 24, [(r.drafted, r.accepted, r.source) for r in copying]
+    assert kept >= min(24, n_copied // 2), [(r.drafted, r.accepted, r.source) for r in copying]
