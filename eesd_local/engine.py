@@ -239,7 +239,8 @@ class Engine:
                 if r.next_token >= 0:  # -1: a probe whose drafts were all accepted ends on its last draft
                     pending.append((r.next_token, "bonus" if m == k and m > 0 else "target"))
                 stats.record_round(k, m, len(pending), r.source)
-                yield RoundEvent(round_no, k, m, len(pending), r.t_draft, r.t_verify, rounds.belief(), r.source)
+                yield RoundEvent(round_no, k, m, len(pending), r.t_draft, r.t_verify, rounds.belief(), r.source,
+                                 r.rows or k + 1)
         finally:
             self._live = None
             if rounds is not None:

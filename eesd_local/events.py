@@ -30,6 +30,7 @@ class RoundEvent:
     t_verify: float  # seconds of the target's batched decode
     belief: dict[str, float] = field(default_factory=dict)  # the controller's state after the round
     source: str = ""  # the source that drafted (lookup, eesd, draft-model, ...); "" when nothing was drafted
+    rows: int = 0  # tokens in the target's verify batch: drafted + 1, or drafted for a probe without the bonus (0: unknown)
 
 
 @dataclass

@@ -138,7 +138,7 @@ class NativeRounds:
         self.draft_max = draft_max
         # rounds run ahead, in order: (drafted, accepted, next token, t_draft, t_verify, the draft
         # limit it ran with, free target KV positions before it, the source that drafted)
-        self._queue: deque[tuple[list[int], int, int, float, float, int, int, int]] = deque()
+        self._queue: deque[tuple[list[int], int, int, float, float, int, int, int, int]] = deque()
         self._cancel = np.zeros(1, dtype=np.uint8)  # read by the extension between rounds
         self._belief: dict[str, float] | None = None  # the controller's belief after the current batch
         self.rounds.configure(controller.state, self.mode, params.temperature, params.top_k, params.top_p, rng.state,
@@ -159,8 +159,8 @@ class NativeRounds:
         if not self._queue:
             self._fetch(history, left)
             self._belief = None
-        drafted, m, nxt, t_draft, t_verify, _, _, src = self._queue.popleft()
-        return RoundResult(drafted, m, nxt, t_draft, t_verify, self._names.get(src, "") if drafted else "")
+        drafted, m, nxt, t_draft, t_verify, _, _, src, rows = self._queue.popleft()
+        return RoundResult(drafted, m, nxt, t_draft, t_verify, self._names.get(src, "") if drafted else "", rows)
 
     def belief(self) -> dict[str, float]:
         """The controller's belief after the current batch: it changed in C++, round by round, but

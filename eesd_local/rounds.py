@@ -27,6 +27,7 @@ class RoundResult(NamedTuple):
     t_draft: float
     t_verify: float
     source: str = ""  # the source that drafted (lookup, eesd, ...); "" when nothing was drafted
+    rows: int = 0  # tokens in the verify batch [last, d1..]: k + 1, or k for a probe without the bonus (0: not told)
 
 
 class Controller(Protocol):
@@ -162,7 +163,8 @@ class PythonRounds:
         ctx.trim(n_keep + min(m, n_rows - 1))  # ... and the accepted drafts it decoded; the rest is rolled back
         t3 = time.perf_counter()
         ctl.end_round(np.asarray(prop.confidences, dtype=np.float64), m, t2 - t1, t3 - t2, getattr(prop, "t_catchup", 0.0))
-        return RoundResult(prop.tokens, m, nxt, t2 - t1, t3 - t2, (getattr(prop, "source", "") or self.drafter.name) if k else "")
+        return RoundResult(prop.tokens, m, nxt, t2 - t1, t3 - t2, (getattr(prop, "source", "") or self.drafter.name) if k else "",
+                           n_rows)
 
     def belief(self) -> dict[str, float]:
         return self.ctl.belief()

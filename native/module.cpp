@@ -56,7 +56,7 @@ py::list run_batch(PyRounds& self, size_t n_history, int draft_max, int left, in
         const eesd::RoundOut& r = recs[i];
         size_t end = i + 1 < recs.size() ? recs[i + 1].first : toks.size();
         std::vector<llama_token> d(toks.begin() + r.first, toks.begin() + end);
-        out[i] = py::make_tuple(std::move(d), r.m, r.nxt, r.t_draft, r.t_verify, r.max_n, r.room, r.src);
+        out[i] = py::make_tuple(std::move(d), r.m, r.nxt, r.t_draft, r.t_verify, r.max_n, r.room, r.src, r.rows);
     }
     return out;
 }

@@ -50,6 +50,7 @@ void Rounds::one_round(int max_n, RoundOut& r) {
     double t3 = now_s();
     r.m = m;
     r.nxt = nxt;
+    r.rows = n_rows;
     r.t_draft = t2 - t1;
     r.t_verify = t3 - t2;
     if (drafted_.empty()) r.src = SRC_NONE;

@@ -59,6 +59,7 @@ struct RoundOut {
     int max_n = 0;  // the draft limit it ran with
     int room = 0;   // free target KV positions before it
     int first = 0;
+    int rows = 0;   // tokens in its verify batch: [last, d1..], k + 1 (k without the bonus)
     double t_draft = 0.0, t_verify = 0.0;
 };
 

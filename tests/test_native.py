@@ -38,7 +38,7 @@ def _events(eng, prompt, monkeypatch, native: bool, **kw):
     evs = list(eng.generate(prompt, **kw))
     assert eng.loop_note.startswith("round loop: native" if native else "round loop: Python")
     toks = [(e.token, e.text, e.source, e.round) for e in evs if isinstance(e, TokenEvent)]
-    rounds = [(e.index, e.drafted, e.accepted, e.emitted, e.source) for e in evs if isinstance(e, RoundEvent)]
+    rounds = [(e.index, e.drafted, e.accepted, e.emitted, e.source, e.rows) for e in evs if isinstance(e, RoundEvent)]
     fin = evs[-1]
     assert isinstance(fin, FinishEvent)
     s = fin.stats
@@ -100,8 +100,10 @@ def test_probe_rounds_native_equals_python_and_plain(name, k, monkeypatch):
         py = _events(eng, prompt, monkeypatch, False, max_tokens=24)
         nat = _events(eng, prompt, monkeypatch, True, max_tokens=24)
         assert nat == py
-        assert any(d > 0 and a == d and e == d for _, d, a, e, _ in py[1]), "no probe ended on its last draft"
-        assert all(e == (a if a == d and d > 0 else a + 1) for _, d, a, e, _ in py[1])
+        assert any(d > 0 and a == d and e == d for _, d, a, e, _, _ in py[1]), "no probe ended on its last draft"
+        assert all(e == (a if a == d and d > 0 else a + 1) for _, d, a, e, _, _ in py[1])
+        # a probe's verify batch is [last, d1..d(k-1)]: k rows; plain rounds 1
+        assert all(rows == (d if d > 0 else 1) for _, d, _, _, _, rows in py[1])
         _same_both_ways(eng, prompt, monkeypatch, max_tokens=16, temperature=0.8, top_p=0.95, seed=11)
         eng.set_drafter("none")
         plain = _events(eng, prompt, monkeypatch, True, max_tokens=24)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import EesdError
-from ..events import FinishEvent, Stats, TokenEvent
+from ..events import FinishEvent, RoundEvent, Stats, TokenEvent
 
 PEER = "llama-cpp-python"
 PEER_LOOKUP = "llama-cpp-python-lookup"
@@ -103,6 +103,8 @@ class Turn:
     t_prefill: float  # request start -> first token (prompt processing and the first token)
     t_decode: float  # first token -> last token: everything after the prompt, drafting included
     rounds: Stats = field(default_factory=Stats)  # target verifications after the first token, drafts, acceptance
+    # (rows, emitted) of each round on a whole-model target: the batch schedule lossless.replay decodes again
+    schedule: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -160,8 +162,10 @@ class EngineMethod:
 
     def generate(self, prompt: list[int], s: Sampling) -> Turn:
         tokens: list[int] = []
+        schedule: list[tuple[int, int]] = []
         t_first = t_last = 0.0
         fin: FinishEvent | None = None
+        whole = not hasattr(self.engine.ctx, "trunk")  # a split target's rows come from two contexts: not replayed
         t0 = time.perf_counter()
         events = self.engine.generate(prompt, max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k,
                                       top_p=s.top_p, seed=s.seed)
@@ -171,6 +175,9 @@ class EngineMethod:
                     t_last = time.perf_counter()
                     t_first = t_first or t_last
                     tokens.append(ev.token)
+                elif isinstance(ev, RoundEvent):
+                    if whole:
+                        schedule.append((ev.rows, ev.emitted))
                 elif isinstance(ev, FinishEvent):
                     fin = ev
         finally:
@@ -179,7 +186,7 @@ class EngineMethod:
         st = fin.stats
         if not tokens:
             t_first = t_last = time.perf_counter()
-        return Turn(tokens, fin.text, t_first - t0, t_last - t_first, st)
+        return Turn(tokens, fin.text, t_first - t0, t_last - t_first, st, schedule)
 
     def close(self) -> None:
         self.engine.close()
