@@ -50,10 +50,11 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 def compare(model: Model, prompt: list[int], plain: list[int], other: list[int], *, n_ctx: int = 4096,
-            max_batch: int = 9) -> Divergence | None:
+            max_batch: int = 9, schedule: list[tuple[int, int]] | None = None) -> Divergence | None:
     """None when equal (or one is a prefix of the other because it stopped earlier),
     else the first divergence with its certificate (see the module's docstring); ``max_batch``:
-    the largest verify batch to try (draft_max + 1)."""
+    the largest verify batch to try (draft_max + 1); ``schedule``: the other run's (rows, emitted)
+    per round, for :func:`replay` where nothing else certifies the divergence."""
     i = first_divergence(plain, other)
     if i is None or i >= min(len(plain), len(other)):
         return None
@@ -77,6 +78,8 @@ def compare(model: Model, prompt: list[int], plain: list[int], other: list[int],
                 return Divergence(i, plain[i], other[i], gap, True, batch=k)
     finally:
         ctx.close()
+    if schedule and replay(model, prompt, other, schedule, i, n_ctx=n_ctx):
+        return Divergence(i, plain[i], other[i], gap, True, batch=-1)
     return Divergence(i, plain[i], other[i], gap, False)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import codecs
 import ctypes
+import functools
 import os
 import threading
 from collections.abc import Sequence
@@ -28,14 +29,17 @@ from .registry import check_gguf
 memtune.tune()  # vocabulary-sized arrays reuse heap pages (see memtune.py)
 
 
+@functools.cache
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return ""
+
+
 def cpu_has_amx(cpuinfo: str | None = None) -> bool:
     """Whether this CPU advertises AMX (Intel Sapphire Rapids and later)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
-        except OSError:
-            return False
-    for line in cpuinfo.splitlines():
+    for line in (_cpuinfo() if cpuinfo is None else cpuinfo).splitlines():
         if line.startswith("flags"):
             return "amx_int8" in line.split(":", 1)[-1].split()
     return False

@@ -164,12 +164,12 @@ void Rounds::see_offers() {
         size_t lim = std::min(history_.size() - o.start, n);
         size_t m = 0;
         while (m < lim && history_[o.start + m] == o.toks[m]) m++;
-        if (m < lim || m == n)
+        if (m < lim || m == n) {
             hindsight_(st_, n_st_, o.match, static_cast<int64_t>(n), static_cast<int64_t>(m));
-        else if (keep != i)
-            offers_[keep++] = std::move(o);
-        else
+        } else {
+            if (keep != i) offers_[keep] = std::move(o);
             keep++;
+        }
     }
     offers_.resize(keep);
 }

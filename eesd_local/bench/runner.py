@@ -11,7 +11,6 @@ method finished stay in the results.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import sys
@@ -222,11 +221,8 @@ def certify(ref: EngineMethod, plain: Run, other: Run, s: Sampling, n_ctx: int) 
     for t, (pa, pb, ta, tb) in enumerate(zip(plain.prompts, other.prompts, plain.turns, other.turns, strict=False)):
         if pa != pb or ta.tokens == tb.tokens:
             continue  # (prompts differ only after an earlier turn diverged, which was returned)
-        div = lossless.compare(model, pa, ta.tokens, tb.tokens, n_ctx=n_ctx, max_batch=ref.engine.config.draft_max + 1)
-        if div is not None and not div.near_tie and tb.schedule and s.temperature == 0:
-            # the keys and values of earlier tokens came from the run's own batches: decode its schedule again
-            if lossless.replay(model, pa, tb.tokens, tb.schedule, div.index, n_ctx=n_ctx):
-                div = dataclasses.replace(div, near_tie=True, batch=-1)
+        div = lossless.compare(model, pa, ta.tokens, tb.tokens, n_ctx=n_ctx, max_batch=ref.engine.config.draft_max + 1,
+                               schedule=tb.schedule)
         if div is None:
             div = _stop_divergence(model, pa, ta.tokens, tb.tokens, s.max_tokens, n_ctx)
         if div is not None:
