@@ -16,6 +16,7 @@ import signal
 import sys
 
 from .errors import EesdError
+from .interrupts import keep_interrupts
 
 COMMAND_MODULES = [
     "eesd_local.commands.models",
@@ -57,7 +58,9 @@ def report_error(exc: EesdError) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     # Ctrl-C may come at any moment, the sub-commands' imports (llama.cpp, numba) included:
-    # everything from building the parser on runs inside the handler
+    # everything from building the parser on runs inside the handler (and one that lands in a ctypes
+    # callback, which CPython would print and swallow, is raised again once the callback returned)
+    keep_interrupts()
     try:
         return _run(argv)
     except KeyboardInterrupt:

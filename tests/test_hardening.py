@@ -292,6 +292,33 @@ def test_ctrl_c_at_any_time_is_clean(delay, tiny, isolated_home):
     assert proc.returncode in (130, -signal.SIGINT), (proc.returncode, err)
 
 
+def test_an_interrupt_inside_a_ctypes_callback_is_raised_again_without_a_traceback(monkeypatch, capsys):
+    """CPython prints and swallows an exception raised in a ctypes callback (llvmlite's while numba
+    compiles, llama.cpp's log): a Ctrl-C that lands there must still stop the program, silently."""
+    import ctypes
+
+    from eesd_local import cli
+    from eesd_local.interrupts import keep_interrupts
+
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+    keep_interrupts()
+
+    def callback() -> None:
+        signal.raise_signal(signal.SIGINT)  # Python's handler raises KeyboardInterrupt here, inside the callback
+        time.sleep(0.01)
+
+    calls = ctypes.CFUNCTYPE(None)(callback)
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        calls()  # returns normally: ctypes swallowed the interrupt
+        time.sleep(10)  # ... and it is raised again here
+    assert time.monotonic() - t0 < 5
+    assert capsys.readouterr().err == ""
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    assert sys.unraisablehook.__name__ == "_redeliver_interrupts"  # the command line installs it
+
+
 # --- bad input names itself -----------------------------------------------------------------
 
 

@@ -23,6 +23,7 @@ from textual.widgets import Footer, Header, Input, Static
 
 from eesd_local.errors import EesdError
 from eesd_local.events import FinishEvent, RoundEvent, TokenEvent
+from eesd_local.interrupts import keep_interrupts
 
 from .session import Answer, Conversation, PlainEstimate, Turn, default_transcript_path, merge_stats, save_transcript
 from .widgets import AnswerView, SpeculationPanel, UserView
@@ -406,6 +407,7 @@ def open_engine(args: argparse.Namespace) -> Engine:
 
 
 def main(argv: list[str] | None = None) -> int:
+    keep_interrupts()  # a Ctrl-C inside a ctypes callback (numba compiling, llama.cpp logging) is not lost
     try:
         args = build_parser().parse_args(argv)  # imports llama.cpp and numba: Ctrl-C may land here
         engine = open_engine(args)
