@@ -32,9 +32,15 @@ def main() -> None:
     engines = {name: eesd_local.load(args.model, **kw) for name, kw in METHODS.items()}
     secs = dict.fromkeys(engines, 0.0)
     toks = dict.fromkeys(engines, 0)
+    names = list(engines)
+    turn = 0
     for _ in range(args.reps):
         for it in items:
-            for name, eng in engines.items():
+            # the order of the methods rotates from prompt to prompt, as in `eesd bench`: on some machines
+            # whichever method runs first after another model's rounds runs slower
+            turn += 1
+            for name in names[turn % len(names):] + names[: turn % len(names)]:
+                eng = engines[name]
                 prompt = eng.tokenize(eng.apply_chat_template([{"role": r, "content": c} for r, c in it.messages]))
                 t0, n = 0.0, 0
                 for ev in eng.generate(prompt, max_tokens=128):

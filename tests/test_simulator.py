@@ -149,12 +149,16 @@ def test_auto_keeps_up_with_the_best_single_source_on_every_process_and_profile(
     from eesd_local.simulate_sources import POLICIES, SOURCE_PROCESSES, run
     from eesd_local.simulator import PROFILES
 
+    # four seeds: a rare costly event (a probe that catches a model up on a thousand tokens, a model
+    # locked out by its growing catch-up) shows on one seed in four, and costs a user 5-15% when it does
     for pname, proc in SOURCE_PROCESSES.items():
         for prof in ("cpu-d0.35", "gpu-d0.1", "gpu-d0.35"):
-            rate = {pol: run(pol, proc, PROFILES[prof], seed=1)["tokens_per_token_time"] for pol in POLICIES}
-            best = max(rate[p] for p in POLICIES if p != "auto")
-            assert rate["auto"] >= 0.95 * best, (pname, prof, rate)
-            assert rate["auto"] >= 0.97 * rate["none"], (pname, prof, rate)  # never slower than plain decoding
+            for seed in (1, 2, 3, 4):
+                rate = {pol: run(pol, proc, PROFILES[prof], seed=seed)["tokens_per_token_time"] for pol in POLICIES}
+                best = max(rate[p] for p in POLICIES if p != "auto")
+                assert rate["auto"] >= 0.97 * best, (pname, prof, seed, rate)
+                assert rate["auto"] >= 0.98 * rate["none"], (pname, prof, seed, rate)  # never slower than plain decoding
+                assert rate["model"] >= 0.98 * rate["none"], (pname, prof, seed, rate)
 
 
 def test_auto_drafts_with_the_source_that_pays():

@@ -34,7 +34,7 @@ from .kernels import (  # noqa: E402
     controller_update,
 )
 from .rng import seed_words  # noqa: E402
-from .thompson import BIN_PRIOR, POS_PRIOR, bin_prior_mean, ts_use_hindsight  # noqa: E402
+from .thompson import BIN_PRIOR, DRAFT_MARGIN, POS_PRIOR, bin_prior_mean, ts_use_hindsight  # noqa: E402
 
 CONTROLLER_CHOICES = ["cost-ts", "beta-ts", "calibration-ts", "fixed:K", "pmin:P", "heuristic"]
 # cost-ts: >= 0.98 of the best fixed k in hindsight on every process and cost profile of `eesd simulate`
@@ -45,13 +45,14 @@ TS_EPS = 0.01  # exploration budget: a closed gate spends about this share of th
 TS_FORGET = 0.99  # theta_1 keeps ~100 rounds of evidence: it follows a change of regime in ~40-170 rounds (simulator)
 
 _THOMPSON = {
-    # name: (rule, use_bins, batch_costs)
-    "beta-ts": (0, 0, 0),
-    "calibration-ts": (0, 1, 0),
-    "cost-ts": (0, 1, 1),
-    "cost-ts:no-hindsight": (0, 1, 1),  # prompt lookup learned from its drafts only (before issue 16's hindsight)
-    "beta-ts:paper": (1, 0, 0),
-    "calibration-ts:paper": (1, 1, 0),
+    # name: (rule, use_bins, batch_costs, margin)
+    "beta-ts": (0, 0, 0, 0.0),
+    "calibration-ts": (0, 1, 0, 0.0),
+    "cost-ts": (0, 1, 1, DRAFT_MARGIN),
+    "cost-ts:no-hindsight": (0, 1, 1, DRAFT_MARGIN),  # prompt lookup learned from its drafts only (before issue 16's hindsight)
+    "cost-ts:no-margin": (0, 1, 1, 0.0),  # a model source drafts at break-even (before issue 15's margin; lookup's too)
+    "beta-ts:paper": (1, 0, 0, 0.0),
+    "calibration-ts:paper": (1, 1, 0, 0.0),
 }
 
 
@@ -257,12 +258,13 @@ def make_controller(spec: str, *, max_draft: int = DRAFT_MAX, seed: int = 0, eps
     if name in ("beta-ts", "calibration-ts", "cost-ts"):
         key = name if not arg else f"{name}:{arg}"
         if key not in _THOMPSON:
-            raise _bad_spec(spec, f"{name} takes no argument other than 'paper'" + (" or 'no-hindsight'" if name == "cost-ts" else ""))
-        rule, bins, batch = _THOMPSON[key]
+            raise _bad_spec(spec, f"{name} takes no argument other than 'paper'" + (", 'no-hindsight' or 'no-margin'" if name == "cost-ts" else ""))
+        rule, bins, batch, margin = _THOMPSON[key]
         state = _new_state(int(L.thompson_size(max_draft)), L.THOMPSON, max_draft, seed)
         state[L.RULE] = rule
         state[L.USE_BINS] = bins
         state[L.BATCH_COSTS] = batch
+        state[L.MARGIN] = margin
         state[L.EPS] = eps
         state[L.FORGET] = forget
         state[L.POS0 : L.POS0 + 3] = 1.0  # Beta(1, 1) at position 1

@@ -66,7 +66,14 @@ REQ_SEEN = HEADER + 11  # rounds of the current request whose drafts were verifi
 # acceptance of free offers is learned from every offer in hindsight (ts_hindsight), not from drafts, by
 # match length: the BIN0 triples then hold one Beta (alpha, beta, -) per match-length class (thompson.match_class)
 HINDSIGHT = HEADER + 12
-BIN0 = HEADER + 13  # N_BINS triples (alpha, beta, predicted) over confidence bins, see thompson.py
+# a round drafts only if the rate its plan gives (tokens per second, under the round's sample; posterior
+# means in hindsight) beats plain decoding's by this share: the costs a round's plan leaves out
+MARGIN = HEADER + 13
+# a model source's stretches: rounds it drafted since it last resumed (caught up), and the mean of
+# 1 / stretch over the stretches that ended: how a resume's catch-up is spread (thompson.resume_cost)
+STRETCH = HEADER + 14
+STRETCH_MEAN = HEADER + 15
+BIN0 = HEADER + 16  # N_BINS triples (alpha, beta, predicted) over confidence bins, see thompson.py
 N_BINS = 10
 BIN_WIDTH = 3
 POS0 = BIN0 + BIN_WIDTH * N_BINS  # K triples (alpha, beta, predicted), one per draft position

@@ -31,6 +31,22 @@ Costs. d and V(b) are measured online. Beta-TS and Calibration-TS take one verif
 for every batch size (the flat GPU case EESD was made for); cost-aware TS keeps a mean
 per batch size, smoothed toward a fitted line (see refresh_verify_estimates).
 
+Margin (cost-ts, state[MARGIN], DRAFT_MARGIN). A round drafts only where its plan beats plain
+decoding's rate by 5% under the round's own sample (in hindsight: under the posterior means),
+and a probe with its bonus token is priced against that hurdle; the gate keeps its break-even,
+so probes reopen it as fast as before. C_k leaves out what a drafting round does to the rounds
+around it (the draft's weights evict the target's from the caches): on a CPU where a batch of two
+costs little more than one token, plans at break-even drafted on chat with the exit head and lost
+up to 5% to plain decoding (BENCHMARKS.md). ``cost-ts:no-margin`` drafts at break-even, for comparison.
+
+Catching up (a draft model that did not draft for a while: copy-mode EESD, a draft model, auto's
+model source). Its catch-up is paid once and serves the whole stretch of rounds it then drafts, so
+a round that resumes it is charged the catch-up spread over the stretches it drafted before
+(resume_cost), not all of it: else, while another source drafts, the catch-up grows every round
+and locks the model out however much more it would pay. And no probe may waste more than
+PROBE_WASTE_MAX target tokens: probing a model a thousand tokens behind is cheap on average
+(rationed by EPS) but a lottery whose one draw costs a user 5-15% of a request.
+
 Exploration where drafting does not pay. TS samples from the tail of the posterior
 would keep buying long drafts that cost several target tokens each. So when no k pays
 even at a mildly optimistic theta_1 (posterior mean + GATE_Z sd), the gate closes: a
@@ -84,6 +100,7 @@ from .layout import (
     FORGET,
     HINDSIGHT,
     LAMBDA,
+    MARGIN,
     MAX_DRAFT,
     N_BINS,
     N_RESUME,
@@ -100,6 +117,8 @@ from .layout import (
     RESUME,
     RNG,
     RULE,
+    STRETCH,
+    STRETCH_MEAN,
     T_CATCHUP,
     USE_BINS,
     th0,
@@ -112,6 +131,7 @@ BIN_PRIOR = 2.0  # prior strength of a confidence bin, centred on the bin's conf
 POS_PRIOR = 2.0  # prior strength of a deeper position's odds ratio, centred on 1 ("as good as the one before")
 RATIO_FORGET = 0.995  # odds ratios (deeper positions, bins) keep ~200 observations: they are stable, and noisy with few
 LINE_PRIOR = 3.0  # pseudo-samples of the fitted verify-time line behind each batch size's own mean
+PROBE_WASTE_MAX = 4.0  # no probe wastes more than this many target tokens (a draft model far behind)
 GATE_Z = 0.5  # how optimistic the "does any k pay?" gate is, in posterior sds of theta_1
 THETA_CLAMP = 1e-9  # keeps odds finite when a sampled theta rounds to 0 or 1
 REQUEST_EVIDENCE = 4.0  # observations of theta_1 a new request starts with (ts_new_request)
@@ -120,7 +140,7 @@ REQUEST_PROBES = 2  # a new request's gate stays closed until this many of its r
 MATCH_PRIOR = 2.0  # prior strength of a match-length class (HINDSIGHT)
 MATCH_REQUEST_EVIDENCE = 16.0  # observations each match-length class keeps at a new request (HINDSIGHT)
 MATCH_FORGET = 0.99  # a match-length class keeps ~100 observations (HINDSIGHT)
-MATCH_MARGIN = 0.05  # a round drafts only if its plan beats plain decoding's rate by this share (HINDSIGHT)
+DRAFT_MARGIN = 0.05  # cost-ts: a round drafts only if its plan beats plain decoding's rate by this share (state[MARGIN])
 
 
 @njit(cache=True)
@@ -259,10 +279,19 @@ def offer_ratio(state, sampled):
 
 @njit(cache=True)
 def resume_cost(state):
-    """Seconds a draft model spends catching up on BEHIND tokens before its first draft: paid once
-    when it resumes drafting, so charged to the round that resumes, not to each drafted token."""
+    """Seconds of a draft model's catching up on BEHIND tokens charged to the round that resumes it:
+    paid once, before its first draft, and then good for the whole stretch of rounds it drafts before
+    it falls behind again. So the catch-up is spread over the stretches the model drafted, their
+    harmonic mean (STRETCH_MEAN holds the mean of 1/stretch: short stretches weigh most, so a model
+    that drafts a round and stops is charged nearly all of it; the current stretch until one has
+    ended; 1 while it never drafted). Charging it all to one round locks the model out: while another
+    source drafts, the model falls further behind, its catch-up grows with every round, and it never
+    resumes, however much more it would pay."""
     behind = state[BEHIND]
-    return behind * state[RESUME] if behind > 1.0 else 0.0
+    if behind <= 1.0:
+        return 0.0
+    per_round = state[STRETCH_MEAN] if state[N_RESUME] > 0.0 else 1.0 / max(1.0, state[STRETCH])
+    return behind * state[RESUME] * per_round
 
 
 @njit(cache=True)
@@ -295,21 +324,28 @@ def ts_begin(state):
     optimistic = mean1 + GATE_Z * math.sqrt(a1 * b1 / (n1 * n1 * (n1 + 1.0)))
     ratio = offer_ratio(state, False)
     state[OPEN] = 1.0 if _best_rate(state, _odds(optimistic) * ratio, th + k, ve, d, kk, resume) > rate_0 else 0.0
+    # an open gate drafts only where the round's own sample beats plain decoding's rate by MARGIN: what a
+    # plan leaves out (the draft's weights evicting the target's from the caches) costs a few percent, so a
+    # plan at break-even loses. (The gate itself keeps its break-even, so probes reopen it as fast.)
+    if state[OPEN] != 0.0 and state[LAMBDA] <= (1.0 + state[MARGIN]) * rate_0:
+        state[OPEN] = 0.0  # this round drafts nothing, or probes
     warm_up = state[OPEN] != 0.0 and state[REQ_SEEN] < REQUEST_PROBES
     if warm_up:
         state[OPEN] = 0.0  # a new request probes before it drafts more (its acceptance is its own): see below
     chance = state[EPS]
     if state[OPEN] == 0.0 and state[BATCH_COSTS] != 0.0:
-        # a one-token round verified without its bonus costs d + V(1) for exactly one token, with the
-        # bonus d + V(2) for 1 + theta_1: the probe takes whichever wastes less, and probes take about
-        # EPS of the time
+        # a one-token round verified without its bonus costs d + V(1) for exactly one token (it wastes d),
+        # with the bonus d + V(2) for 1 + theta_1, a token worth V(1) / (1 + MARGIN) at the hurdle a drafting
+        # round must clear: the probe takes whichever wastes less, and probes take about EPS of the time
         p1 = _prob(_odds(mean1) * ratio)
-        extra = state[ve + 1] - v1 - p1 * v1
-        if extra > 0.0:
+        waste = d + state[ve + 1] - (1.0 + p1) * v1 / (1.0 + state[MARGIN])
+        if d < waste:
             state[NO_BONUS] = 1.0
-            extra = 0.0
-        waste = d + extra + resume
+            waste = d
+        waste += resume
         chance = min(1.0, state[EPS] * v1 / waste) if waste > 0.0 else 1.0
+        if waste > PROBE_WASTE_MAX * v1:
+            chance = 0.0  # a lottery ticket: cheap on average, but one draw costs a user many tokens
     state[PROBE] = 1.0 if uniform(state, RNG) < chance else 0.0
     if warm_up:
         state[PROBE] = 1.0
@@ -412,7 +448,7 @@ def _hindsight_begin(state):
     lam = _rate_of(state, th, ve, state[EMA_T_DRAFT], kk, 0.0)
     state[LAMBDA] = lam
     v1 = state[ve]
-    state[OPEN] = 1.0 if v1 > 0.0 and lam > (1.0 + MATCH_MARGIN) / v1 else 0.0
+    state[OPEN] = 1.0 if v1 > 0.0 and lam > (1.0 + state[MARGIN]) / v1 else 0.0
 
 
 @njit(cache=True)
@@ -513,6 +549,10 @@ def ts_update(state, confidences, n_accepted, t_verify):
     if n > 0 and behind > 1.0 and state[T_CATCHUP] > 0.0 and state[T_CATCHUP] < 1e30:
         state[N_RESUME] += 1.0  # a draft model caught up before drafting: seconds per token of catching up
         state[RESUME] = ema(state[RESUME], state[T_CATCHUP] / behind, state[N_RESUME])
+        state[STRETCH_MEAN] = ema(state[STRETCH_MEAN], 1.0 / max(1.0, state[STRETCH]), state[N_RESUME])  # the stretch that ended
+        state[STRETCH] = 0.0
+    if n > 0:
+        state[STRETCH] += 1.0
     if t_verify > 0.0 and t_verify < 1e30:  # a missing or NaN timing must not poison the means
         b = n - 1 if state[NO_BONUS] != 0.0 and n > 0 else n  # the verify batch held n + 1 tokens, or n
         record_verify(state, b, t_verify)
