@@ -38,8 +38,8 @@ def main() -> None:
         for it in items:
             # the order of the methods rotates from prompt to prompt, as in `eesd bench`: on some machines
             # whichever method runs first after another model's rounds runs slower
-            turn += 1
-            for name in names[turn % len(names):] + names[: turn % len(names)]:
+            turn = (turn + 1) % len(names)
+            for name in names[turn:] + names[:turn]:
                 eng = engines[name]
                 prompt = eng.tokenize(eng.apply_chat_template([{"role": r, "content": c} for r, c in it.messages]))
                 t0, n = 0.0, 0

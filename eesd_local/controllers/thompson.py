@@ -37,7 +37,7 @@ and a probe with its bonus token is priced against that hurdle; the gate keeps i
 so probes reopen it as fast as before. C_k leaves out what a drafting round does to the rounds
 around it (the draft's weights evict the target's from the caches): on a CPU where a batch of two
 costs little more than one token, plans at break-even drafted on chat with the exit head and lost
-up to 5% to plain decoding (BENCHMARKS.md). ``cost-ts:no-margin`` drafts at break-even, for comparison.
+up to 8% to plain decoding (BENCHMARKS.md). ``cost-ts:no-margin`` drafts at break-even, for comparison.
 
 Catching up (a draft model that did not draft for a while: copy-mode EESD, a draft model, auto's
 model source). Its catch-up is paid once and serves the whole stretch of rounds it then drafts, so
