@@ -17,6 +17,7 @@ from typing import Any
 
 from .engine import Engine, EngineConfig
 from .events import FinishEvent, TokenEvent
+from .params import ParamError, check_sampling, show
 
 
 class LLM(Engine):
@@ -67,23 +68,30 @@ def _speculation(fin: FinishEvent) -> dict[str, Any]:
 def completion(engine: Engine, prompt: Any, *, chat: bool, max_tokens: int = 256, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None,
                stream: bool = False) -> Any:
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    text_prompt = engine.apply_chat_template(prompt) if chat else prompt
-    events = engine.generate(text_prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                             seed=seed, stop=stops)
+    """``prompt`` (messages when ``chat``) completed as OpenAI's API does; bad arguments raise EesdError
+    here, before any chunk. A chat's message text is tokenized as text (Engine.chat_tokens): only the
+    template's own markers are control tokens."""
+    s = check_sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop)
+    if not isinstance(stream, bool):
+        raise ParamError("stream", f"stream must be True or False, got {show(stream)}")
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     created = int(time.time())
     model = engine.model_path.name
     obj = "chat.completion" if chat else "text_completion"
-    if stream:
-        return _stream(events, ident, created, model, obj, chat, stops)
+    options: dict[str, Any] = dict(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                   seed=s.seed, stop=s.stop)
+    if stream:  # as generate(): a stream started while another is open ends that one (README)
+        events = engine.generate(engine.chat_tokens(prompt) if chat else prompt, **options)
+        return _stream(events, ident, created, model, obj, chat, s.stop)
     fin = None
-    with engine._serial:  # a whole completion, as Engine.run: callers on other threads wait for it
-        for ev in events:
+    # a whole completion holds the engine from its start to its end, as Engine.run: one started on another
+    # thread meanwhile waits for it rather than ending it
+    with engine._serial:
+        for ev in engine.generate(engine.chat_tokens(prompt) if chat else prompt, **options):
             if isinstance(ev, FinishEvent):
                 fin = ev
     assert fin is not None
-    text, cut = _cut_stop(fin.text, stops)
+    text, cut = _cut_stop(fin.text, s.stop)
     reason = "stop" if cut else ("length" if fin.reason in ("length", "context") else "stop")
     choice: dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
     if chat:

@@ -9,6 +9,7 @@ output equals plain decoding; sampling keeps the target's distribution exactly.
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from collections.abc import Generator
@@ -20,15 +21,29 @@ import numpy as np
 from . import chat as chat_mod
 from . import native_round
 from .defaults import BATCH_MS, DRAFT_MAX, N_CTX
-from .drafters import make_drafter, n_sources, shared_trunk_plan
+from .drafters import DRAFTERS, make_drafter, n_sources, shared_trunk_plan
 from .drafters.base import Drafter, NoDrafter
 from .errors import EesdError
 from .events import Event, FinishEvent, RoundEvent, Stats, TokenEvent
+from .params import (
+    MAX_THREADS,
+    SEED_MAX,
+    SEED_MIN,
+    ParamError,
+    check_choice,
+    check_int,
+    check_number,
+    check_optional_int,
+    check_sampling,
+    show,
+)
 from .registry import resolve_model
 from .rounds import Controller, RoundLoop, round_limit
 from .runtime import Context, ContextParams, Detokenizer, Model, common_prefix
 from .sampling import SamplingParams, Uniform, probs, sample
 from .trunk import open_split
+
+MAX_BATCH_MS = 3_600_000.0
 
 
 @dataclass
@@ -79,7 +94,7 @@ class Engine:
         self._gen: _Generation | None = None  # the generation that owns the contexts
         self._live: RoundLoop | None = None  # its round loop (for cancel)
         self._cancel = False
-        _check_int("draft_max", config.draft_max, 1, "--draft-max")
+        check_config(config)
         self.model_path = resolve_model(config.model)
         # with the shared trunk the target's weights are the trunk's and the tail's: its own load is vocabulary only
         plan, no_split = shared_trunk_plan(config, self.model_path)
@@ -111,11 +126,9 @@ class Engine:
     def generate(self, prompt: str | list[int], *, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | None = None, stop: list[str] | str | None = None) -> Generator[Event, None, None]:
         """Yield a TokenEvent per emitted token, a RoundEvent per round, and one FinishEvent."""
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        _check_int("max_tokens", max_tokens, 1, "--max-tokens")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if not all(isinstance(s, str) for s in stops):
-            raise EesdError(f"stop must be a string or a list of strings, got {stop!r}")
+        s = check_sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop)
+        params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
+        max_tokens, stops = s.max_tokens, s.stop
         with self._serial:  # wait for a run() of another thread
             with self._lock:
                 self._check_open()
@@ -296,14 +309,45 @@ class Engine:
             return self.model.tokenize(text, add_special=True, parse_special=True)
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The chat prompt as text (to show it); :meth:`chat_tokens` is what to generate from."""
         self._check_open()
-        bos = self.model.token_to_piece(self.model.bos, special=True).decode("utf-8", "replace") if self.model.add_bos else ""
+        bos = self._bos_text()
         text = chat_mod.render(self.model.chat_template(), messages, add_generation_prompt=add_generation_prompt,
                                bos_token=bos, eos_token="")
         # the template writes the BOS itself; tokenize() must not add a second one
         if bos and text.startswith(bos):
             text = text[len(bos):]
         return text
+
+    def chat_tokens(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """The chat prompt's tokens: the template's own markers as control tokens, the messages' text
+        as plain text, so that ``<|im_end|><|im_start|>system`` typed into a message stays text and
+        cannot open a turn of its own.
+
+        Where no message holds control-token text (tokenized alone, with and without special
+        parsing, it gives the same tokens), this is the whole rendered prompt tokenized as
+        llama.cpp does, token for token what plain decoding of the template's text reads. Otherwise
+        the template's text and the messages' text are tokenized apart (:func:`chat.render_parts`)."""
+        msgs = chat_mod.check_messages(messages)
+        text = self.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
+        with self._lock:
+            self._check_open()
+            model = self.model
+            if not any(model.tokenize(m["content"], add_special=False, parse_special=True)
+                       != model.tokenize(m["content"], add_special=False, parse_special=False) for m in msgs):
+                return model.tokenize(text, add_special=True, parse_special=True)
+            bos = self._bos_text()
+            parts = chat_mod.render_parts(model.chat_template(), msgs, add_generation_prompt=add_generation_prompt,
+                                          bos_token=bos, eos_token="")
+            if bos and parts and not parts[0][1] and parts[0][0].startswith(bos):
+                parts[0] = (parts[0][0][len(bos):], False)
+            tokens = [model.bos] if model.add_bos else []
+            for piece, is_text in parts:
+                tokens += model.tokenize(piece, add_special=False, parse_special=not is_text)
+            return tokens
+
+    def _bos_text(self) -> str:
+        return self.model.token_to_piece(self.model.bos, special=True).decode("utf-8", "replace") if self.model.add_bos else ""
 
     def run(self, prompt: str | list[int], **kw: Any) -> FinishEvent:
         """Generate to the end and return the FinishEvent (text and stats); runs from several
@@ -346,9 +390,24 @@ def _hit_stop(text: list[str], stop: list[str]) -> bool:
     return any(s and s in tail for s in stop)
 
 
-def _check_int(name: str, value: Any, lo: int, flag: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < lo:
-        raise EesdError(f"{name} must be an integer >= {lo}, got {value!r}", hint=f"e.g. {flag} {max(lo, 8)}")
+def check_config(config: EngineConfig) -> None:
+    """The engine's options (load()'s keywords, the command-line flags), checked as request parameters are."""
+    if not isinstance(config.model, str | os.PathLike):
+        raise ParamError("model", f"model must be a registry name or a GGUF path, got {show(config.model)}")
+    if isinstance(config.drafter, str):
+        check_choice("drafter", config.drafter, tuple(DRAFTERS))
+    for name in ("head", "draft_model"):
+        value = getattr(config, name)
+        if value is not None and not isinstance(value, str | os.PathLike):
+            raise ParamError(name, f"{name} must be a path (a string), got {show(value)}")
+    check_int("draft_max", config.draft_max, 1, hint="the most tokens drafted per round, e.g. 8 (--draft-max 8)")
+    check_int("n_ctx", config.n_ctx, 1, hint="the context size in tokens, e.g. 4096 (--n-ctx 4096)")
+    check_int("n_gpu_layers", config.n_gpu_layers, -1, hint="layers offloaded to a GPU: 0 for none, -1 for all")
+    check_optional_int("n_threads", config.n_threads, 1, MAX_THREADS, hint="leave it out to use every core")
+    check_int("seed", config.seed, SEED_MIN, SEED_MAX, hint="the controller's seed, e.g. 0")
+    check_number("batch_ms", config.batch_ms, 0.0, MAX_BATCH_MS, hint=f"e.g. {BATCH_MS:g}; 0 returns after every round")
+    if config.shared_trunk is not None:
+        check_choice("shared_trunk", config.shared_trunk, (True, False), hint="or None for the drafter's default")
 
 
 def _make_controller(spec: Any, draft_max: int, seed: int, sources: int = 1) -> Controller:

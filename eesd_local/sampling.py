@@ -14,14 +14,13 @@ the (at most a handful of) draft positions.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from .errors import EesdError
+from .params import SEED_MAX, SEED_MIN, check_optional_int, check_temperature, check_top_k, check_top_p
 
 # top-p without top-k: the candidates are the logits within SPAN nats of the largest, for
 # the first span whose softmax mass reaches top_p; they are grouped into bins 1/32 nat wide,
@@ -47,13 +46,10 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if (isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float)
-                or not math.isfinite(self.temperature) or self.temperature < 0):
-            raise EesdError(f"temperature must be a finite number >= 0, got {self.temperature}", hint="use 0 for greedy decoding")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise EesdError(f"top_k must be an integer >= 0, got {self.top_k}", hint="use 0 to disable top-k")
-        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
-            raise EesdError(f"top_p must be in (0, 1], got {self.top_p}", hint="use 1 to disable top-p")
+        check_temperature(self.temperature)
+        check_top_k(self.top_k)
+        check_top_p(self.top_p)
+        check_optional_int("seed", self.seed, SEED_MIN, SEED_MAX, hint="leave it out for a random seed")
 
     @property
     def greedy(self) -> bool:

@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
+import ipaddress
 import json
 import queue
+import re
+import socket
 import sys
 import threading
 import time
@@ -29,7 +33,7 @@ from typing import Any, Literal, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -39,6 +43,7 @@ from .controllers import DEFAULT_CONTROLLER
 from .drafters import DRAFTERS
 from .engine import Engine
 from .errors import EesdError
+from .params import ParamError, check_int, check_optional_int, check_sampling, show
 
 _R = TypeVar("_R", bound=BaseModel)
 QUEUE = 8  # requests that may wait while one runs; more get 429
@@ -51,9 +56,17 @@ class Speculation(BaseModel):
     """Per-request speculation settings (an extension); left out, the server's own apply."""
 
     model_config = ConfigDict(extra="forbid")
-    drafter: str | None = None
-    controller: str | None = None
-    draft_max: int | None = Field(None, ge=1)
+    drafter: StrictStr | None = None
+    controller: StrictStr | None = None
+    draft_max: Any = None  # checked by params.check_int, as --draft-max is
+
+    @field_validator("draft_max")
+    @classmethod
+    def _draft_max(cls, v: Any) -> int | None:
+        try:
+            return check_optional_int("draft_max", v, 1)
+        except ParamError as exc:
+            raise ValueError(exc.message.removeprefix("draft_max ")) from None
 
     @field_validator("drafter")
     @classmethod
@@ -64,28 +77,45 @@ class Speculation(BaseModel):
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # NaN and Infinity are 400s
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0)  # OpenAI's default; 0 is greedy
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)  # an extension: 0 is off
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = 1
-    stream: bool = False
+    """The options every request takes. The sampling numbers are checked by :func:`params.check_sampling`
+    (:meth:`sampling`), the same check as the API's and the command line's, with the same bounds and words."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: StrictStr | None = None
+    max_tokens: Any = None
+    temperature: Any = 1.0  # OpenAI's default; 0 is greedy
+    top_p: Any = 1.0
+    top_k: Any = 0  # an extension: 0 is off
+    seed: Any = None
+    stop: Any = None
+    n: Any = 1
+    stream: StrictBool = False
     speculation: Speculation | None = None
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(f"only n=1 is supported, got {v}")
-        return v
+    def _one_choice(cls, v: Any) -> int:
+        if isinstance(v, bool) or v != 1:
+            raise ValueError(f"only n=1 is supported, got {show(v)}")
+        return 1
+
+    def sampling(self, default_max_tokens: int) -> dict[str, Any]:
+        """The checked sampling options (keywords of api.completion); a ParamError names the bad one."""
+        s = check_sampling(max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
+                           temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=self.stop)
+        return dict(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, stop=s.stop)
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str]
+    prompt: StrictStr | list[StrictInt] | list[StrictStr]  # strict: true and false are not token ids 1 and 0
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v: Any) -> Any:
+        if isinstance(v, str) or isinstance(v, list) and (all(isinstance(t, str) for t in v) or all(
+                isinstance(t, int) and not isinstance(t, bool) for t in v)):
+            return v
+        raise ValueError(f"must be text, a list of token ids (integers) or a list of one string, got {show(v)}")
 
     @field_validator("prompt")
     @classmethod
@@ -114,14 +144,54 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens
+    max_completion_tokens: Any = None  # OpenAI's newer name for max_tokens
+
+
+# OpenAI request fields this server does not implement, with the values that ask for nothing: any other
+# value is a 400 rather than an answer that silently ignores what was asked
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "logit_bias": (None, {}),
+    "frequency_penalty": (None, 0),
+    "presence_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+}
+
+
+def _unsupported(data: Any) -> ApiError | None:
+    """A 400 for the first field of UNSUPPORTED that asks for something (None if none does)."""
+    if not isinstance(data, dict):
+        return None
+    for name, off in UNSUPPORTED.items():
+        if name in data and not any(_same(data[name], v) for v in off):
+            return ApiError(400, f"{name} is not supported by this server (eesd-local), got {show(data[name])}",
+                            param=name, code="unsupported_parameter", hint=f"leave {name} out")
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and a == b or (isinstance(a, int | float) and not isinstance(a, bool)
+                                             and isinstance(b, int) and not isinstance(b, bool) and a == b)
 
 
 class ApiError(Exception):
     """An error answered as OpenAI's error JSON."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, type: str = "invalid_request_error",
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None, hint: str | None = None) -> None:
+        message = f"{message}; {hint}" if hint else message
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code, self.headers = status, message, param, type, code, headers
 
@@ -133,13 +203,16 @@ class ApiError(Exception):
 
 
 _FIELDS = ("speculation.drafter", "speculation.controller", "speculation.draft_max", "max_tokens", "temperature", "top_p",
-           "top_k", "seed", "stop")
+           "top_k", "seed", "stop", "max_completion_tokens")
 
 
 def _bad_request(exc: EesdError, where: str) -> ApiError:
-    """An EesdError as a 400; ``param`` is the field its message names, else ``where``."""
-    param = next((f for f in _FIELDS if f in exc.message), where)
-    return ApiError(400, str(exc).replace("\n  hint:", ";"), param=param)
+    """An EesdError as a 400; ``param`` is the parameter it names (a ParamError's, or the field its message
+    names), else ``where``."""
+    param = getattr(exc, "param", None)
+    if param is None or param not in _FIELDS:
+        param = next((f for f in _FIELDS if f in exc.message), where)
+    return ApiError(400, exc.message, param=param, hint=exc.hint)
 
 
 # --- metrics ---------------------------------------------------------------
@@ -257,8 +330,9 @@ class EngineWorker:
         self.defaults = (engine.config.drafter, engine.config.controller or DEFAULT_CONTROLLER, engine.config.draft_max)
         self._applied: tuple[Any, str, int] | None = self.defaults
         self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # guards _waiting and _current
+        self._lock = threading.Lock()  # guards _waiting, _running and _current
         self._waiting = 0
+        self._running = False  # a job was taken from the queue and has not ended
         self._current: Job | None = None
         self._closing = False
         self._thread = threading.Thread(target=self._loop, name="eesd-engine", daemon=True)
@@ -273,7 +347,9 @@ class EngineWorker:
         with self._lock:
             if self._closing:
                 raise ApiError(503, "the server is shutting down", type="server_error")
-            if self._waiting >= self.queue_max:
+            # full: queue_max jobs wait already and the engine is not free for one more (with --queue 0,
+            # a request is answered when nothing runs and refused while one does)
+            if self._waiting >= self.queue_max and (self._running or self._waiting > 0):
                 return False
             self._waiting += 1
         self._jobs.put(job)
@@ -304,12 +380,15 @@ class EngineWorker:
         while (job := self._jobs.get()) is not None:
             with self._lock:
                 self._waiting -= 1
+                self._running = True
             try:
                 self._serve(job)
             except BaseException as exc:  # a bug: say so, keep serving
                 traceback.print_exc(file=sys.stderr)
                 job.post(ApiError(500, f"internal error: {type(exc).__name__}", type="server_error"))
             finally:
+                with self._lock:
+                    self._running = False
                 job.post(_END)
 
     def _serve(self, job: Job) -> None:
@@ -369,7 +448,13 @@ class EngineWorker:
             try:
                 engine.set_drafter(drafter)
             except EesdError as exc:
-                raise EesdError(f"speculation.drafter {drafter!r}: {exc.message}", hint=exc.hint) from None
+                if drafter == "draft-model" and not engine.config.draft_model:
+                    message = "this server was started without a draft model"
+                else:  # the message's hint speaks of the server's command line, which a client cannot change
+                    message = exc.message
+                raise EesdError(f"speculation.drafter {drafter!r}: {message}",
+                                hint=f"leave speculation.drafter out to use the server's own ({d_drafter}), or pick "
+                                     "another drafter") from None
         old = engine.config
         engine.config = dataclasses.replace(old, draft_max=draft_max)  # the engine's round limit reads it
         try:
@@ -450,6 +535,10 @@ def create_app(engine: Engine, *, model_id: str, aliases: tuple[str, ...] = (), 
     async def chat_completions(request: Request) -> Any:
         body = _parse(ChatCompletionRequest, await request.body())
         if body.max_completion_tokens is not None:
+            try:
+                check_int("max_completion_tokens", body.max_completion_tokens, 1)
+            except ParamError as exc:
+                raise _bad_request(exc, "max_completion_tokens") from None
             body.max_tokens = body.max_completion_tokens
         return await _answer(body, True, [m.as_dict() for m in body.messages], request)
 
@@ -457,10 +546,11 @@ def create_app(engine: Engine, *, model_id: str, aliases: tuple[str, ...] = (), 
         if body.model is not None and body.model not in names:
             raise ApiError(400, f"model {body.model!r} is not served here; this server serves {model_id!r}",
                            param="model", code="model_not_found")
-        # OpenAI's defaults: 16 tokens for a completion, the rest of the context for a chat
-        max_tokens = body.max_tokens or (engine.ctx.n_ctx if chat else 16)
-        sampling = dict(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                        seed=body.seed, stop=body.stop)
+        try:  # checked here, before the request queues: a bad number never waits for the engine
+            # OpenAI's defaults: 16 tokens for a completion, the rest of the context for a chat
+            sampling = body.sampling(engine.ctx.n_ctx if chat else 16)
+        except ParamError as exc:
+            raise _bad_request(exc, exc.param) from None
         worker = state["worker"]
         job = Job(chat, prompt, sampling, body.speculation, asyncio.get_running_loop())
         if not worker.submit(job):
@@ -499,8 +589,13 @@ def _parse(model: type[_R], raw: bytes) -> _R:
     """The request body as ``model`` (JSON whatever the content type says); a 400 naming the field if not."""
     try:
         data = json.loads(raw)
-    except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+    except ValueError as exc:  # JSONDecodeError, bytes that are not UTF-8, an integer of too many digits
         raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:  # the parser recurses once per level of nesting
+        raise ApiError(400, "the request body is nested too deeply to be a request", code="invalid_json") from None
+    unsupported = _unsupported(data)
+    if unsupported is not None:
+        raise unsupported
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -574,9 +669,38 @@ def _show(value: Any) -> str:
     return json.dumps(value) if isinstance(value, str | int | float | bool | None) else repr(value)
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host``:``port``, made before the model loads: a bad address or a port in
+    use is one line at once, not a traceback after the load."""
+    check_int("port", port, 1, 65535, hint="e.g. --port 8080")
+    where = f"{host}:{port}"
+    hint = "pass an address of this machine: --host 127.0.0.1 (this machine only) or --host 0.0.0.0 (every interface)"
+    if re.fullmatch(r"[\d.]+", host):  # dotted numbers are an IPv4 address or nothing: never a name to look up
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            raise EesdError(f"cannot listen on {where}: {host} is not an IPv4 address", hint=hint) from None
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except (OSError, UnicodeError) as exc:
+        raise EesdError(f"cannot listen on {where}: {getattr(exc, 'strerror', None) or exc}", hint=hint) from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            hint = "another program listens there: stop it or pick another --port"
+        raise EesdError(f"cannot listen on {where}: {exc.strerror or exc}", hint=hint) from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(engine: Engine, *, model_id: str, aliases: tuple[str, ...] = (), host: str = "127.0.0.1", port: int = 8080,
-          queue_max: int = QUEUE, log_level: str = "info") -> None:
-    """Serve ``engine`` until Ctrl-C; streams still open get a few seconds to end."""
+          queue_max: int = QUEUE, log_level: str = "info", sock: socket.socket | None = None) -> None:
+    """Serve ``engine`` until Ctrl-C; streams still open get a few seconds to end. ``sock``: a socket
+    :func:`listen_socket` bound already (else uvicorn binds ``host``:``port`` itself)."""
     import uvicorn
 
     app = create_app(engine, model_id=model_id, aliases=aliases, queue_max=queue_max)
@@ -589,6 +713,7 @@ def serve(engine: Engine, *, model_id: str, aliases: tuple[str, ...] = (), host:
             super().handle_exit(sig, frame)
 
     try:
-        Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)).run()
+        Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)).run(
+            sockets=None if sock is None else [sock])
     except KeyboardInterrupt:  # uvicorn raises the Ctrl-C it handled again once it has shut down
         pass

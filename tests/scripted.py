@@ -1,7 +1,7 @@
 """A scripted engine for the chat: the same event types as the real engine, from a fixed script.
 
 ``ChatApp`` takes its engine as an argument and reads only ``generate`` (the event stream),
-``cancel``, ``apply_chat_template`` and a few names; this class answers those with a recorded
+``cancel``, ``chat_tokens`` and a few names; this class answers those with a recorded
 answer, so a screen snapshot is the same on every machine (a real model's greedy text flips
 at near ties between CPU kernels). The events go through the app's normal path: its thread
 worker iterates ``generate`` and posts each event to the UI with ``call_from_thread``.
@@ -50,17 +50,20 @@ class ScriptedEngine:
         self.config = SimpleNamespace(draft_max=self.draft_max)
         self.ctx = SimpleNamespace(n_ctx=self.n_ctx)
         self.drafter_note = f"drafter: {self.drafter_name}"
-        self.prompts: list[str] = []
+        self.prompts: list[str | list[int]] = []
         self._cancel = threading.Event()
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + ("<assistant>" if add_generation_prompt else "")
 
-    def generate(self, prompt: str, *, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+    def chat_tokens(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        return list(self.apply_chat_template(messages, add_generation_prompt).encode("utf-8"))  # bytes stand in for tokens
+
+    def generate(self, prompt: str | list[int], *, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                  **_: object) -> Iterator[Event]:
         self.prompts.append(prompt)
         self._cancel.clear()
-        stats = Stats(n_prompt=len(prompt.split()), drafter=self.drafter.name, controller=self.controller.name)
+        stats = Stats(n_prompt=len(prompt.split()) if isinstance(prompt, str) else len(prompt), drafter=self.drafter.name, controller=self.controller.name)
         text, reason = "", "stop"
         for index, (drafted, pieces) in enumerate(self.script):
             if self._cancel.is_set():

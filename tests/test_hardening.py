@@ -373,7 +373,8 @@ def test_ctx_negative_from_the_cli(tiny, isolated_home):
     r = subprocess.run([sys.executable, "-m", "eesd_local.cli", "generate", "--model", str(tiny), "--drafter", "lookup",
                         "--prompt", "x", "--ctx", "-1"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-    assert "--n-ctx must be a positive number of tokens" in r.stderr and "smaller --ctx" not in r.stderr
+    assert "n_ctx must be an integer from 1 to 2147483647, got -1" in r.stderr and "smaller --ctx" not in r.stderr
+    assert "--n-ctx 4096" in r.stderr  # the hint names the flag
 
 
 @pytest.mark.parametrize("bad", [-1, 300, 10**9])

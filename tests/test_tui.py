@@ -356,7 +356,7 @@ def test_scripted_answer_goes_through_the_apps_event_path():
     assert row(seen["panel"], "rounds") == [str(len(rounds))] * 2
     assert row(seen["panel"], "drafted") == [str(drafted)] * 2 and row(seen["panel"], "accepted") == [str(accepted)] * 2
     assert "P(accept) 0.80" in seen["panel"]
-    assert engine.prompts == [engine.apply_chat_template([{"role": "user", "content": REWRITE}])]
+    assert engine.prompts == [engine.chat_tokens([{"role": "user", "content": REWRITE}])]
     assert app.conv.turns[-1].content == engine.text and status(app) == "ready"
 
 

@@ -8,6 +8,8 @@ that iterates the engine's event stream and hands every event to the UI thread w
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -116,6 +118,14 @@ class ChatApp(App[None]):
             f"The terminal is too small ({w}×{h}): eesd-chat needs at least {MIN_WIDTH}×{MIN_HEIGHT}.\n"
             "Enlarge the window; the conversation is kept."
         )
+        if w >= MIN_WIDTH and h >= MIN_HEIGHT:
+            # a terminal too small hid the input, which took its focus away: give it back once the input shows
+            self.call_after_refresh(self._refocus)
+
+    def _refocus(self) -> None:
+        w, h = self.size
+        if self.focused is None and w >= MIN_WIDTH and h >= MIN_HEIGHT:
+            self.query_one("#prompt", Input).focus()
 
     def _update_header(self) -> None:
         model = self.options.model_name or Path(self.engine.model_path).name
@@ -157,7 +167,7 @@ class ChatApp(App[None]):
         """Start an answer to ``text`` as the next user turn."""
         self.conv.turns.append(Turn("user", text))
         try:
-            prompt = self.engine.apply_chat_template(self.conv.messages())
+            prompt = self.engine.chat_tokens(self.conv.messages())  # what was typed stays text, control tokens too
         except EesdError as exc:
             self.conv.turns.pop()
             self.set_status(f"error: {exc.message}", error=True)
@@ -177,7 +187,7 @@ class ChatApp(App[None]):
         self._generate(prompt, view)
 
     @work(thread=True, exclusive=True, group="answer")
-    def _generate(self, prompt: str, view: AnswerView) -> None:
+    def _generate(self, prompt: list[int], view: AnswerView) -> None:
         o = self.options
         events_ = None
         try:
@@ -394,11 +404,9 @@ def open_engine(args: argparse.Namespace) -> Engine:
     """Pull a registry model if missing, check the options, load the engine (before the app starts)."""
     from eesd_local.api import load
     from eesd_local.commands.options import engine_config
-    from eesd_local.sampling import SamplingParams
+    from eesd_local.params import check_sampling
 
-    SamplingParams(temperature=args.temperature, top_p=args.top_p)  # raises EesdError on bad values
-    if args.max_tokens < 1:
-        raise EesdError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    check_sampling(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)  # as the engine will
     if args.n_ctx < 64:
         raise EesdError(f"--n-ctx must be at least 64 tokens, got {args.n_ctx}", hint="e.g. --n-ctx 4096")
     config = engine_config(args)
@@ -417,12 +425,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  hint: {exc.hint}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
+        with contextlib.suppress(ValueError):  # ValueError: not the main thread
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while exiting must not print a traceback
         print("\neesd-chat: interrupted", file=sys.stderr)
         return 130
     options = ChatOptions(model_name=args.model if "/" not in args.model else Path(args.model).name, system=args.system,
                           temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
     try:
-        ChatApp(engine, options).run()
+        ChatApp(engine, options).run()  # in a terminal Ctrl-C is a key; a SIGINT (kill -INT) still lands here
+    except KeyboardInterrupt:
+        with contextlib.suppress(ValueError):
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print("\neesd-chat: interrupted", file=sys.stderr)
+        return 130
     finally:
         engine.close()
     return 0

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
 
 from ..api import load
+from ..errors import EesdError
 from ..events import FinishEvent, TokenEvent
+from ..params import check_sampling
 from .options import add_engine_args, add_sampling_args, engine_config
 
 
@@ -22,14 +26,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    prompt = _read_stdin() if args.prompt == "-" else args.prompt
+    if args.system is not None and not args.chat:
+        raise EesdError("--system needs --chat: a system message goes through the model's chat template",
+                        hint="add --chat (the prompt is then the user turn), or put the instruction into the prompt")
+    # the sampling options are checked before the model loads (Engine.generate checks them the same way)
+    check_sampling(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    prompt: str | list[int] = _read_stdin() if args.prompt == "-" else args.prompt
     with load(**vars(engine_config(args))) as engine:
         print(engine.drafter_note, file=sys.stderr)
         if args.verbose:
             print(engine.loop_note, file=sys.stderr)
         if args.chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
-            prompt = engine.apply_chat_template(messages)
+            prompt = engine.chat_tokens(messages)  # the messages' text stays text (control tokens in it too)
         events = engine.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                  top_p=args.top_p, seed=args.seed)
         fin = None
@@ -45,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
                     print(f"\n[round {ev.index}: drafted {ev.drafted}{by}, accepted {ev.accepted}, "
                           f"draft {1e3 * ev.t_draft:.1f} ms, verify {1e3 * ev.t_verify:.1f} ms]", file=sys.stderr)
         except KeyboardInterrupt:
+            with contextlib.suppress(ValueError):  # ValueError: not the main thread
+                signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the rollback short
             events.close()  # runs the engine's rollback
             print("\n[interrupted]", file=sys.stderr)
             return 130

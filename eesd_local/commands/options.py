@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from ..drafters import DRAFTERS
-from ..engine import EngineConfig
+from ..engine import EngineConfig, check_config
 from ..registry import DEFAULT_MODEL, known_models
 
 _DEFAULT = EngineConfig()
@@ -60,7 +60,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the flags ask for; registry models that are missing are pulled first."""
     from .models import pull_with_progress
 
+    config = EngineConfig(**{name: getattr(args, name) for name in ENGINE_FLAGS})
+    check_config(config)  # before a download or a load: a bad number fails at once
     for name in (args.model, args.draft_model):
         if name and name in known_models():
             pull_with_progress(name)
-    return EngineConfig(**{name: getattr(args, name) for name in ENGINE_FLAGS})
+    return config

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ..api import load
+from ..params import check_int
 from .options import add_engine_args, engine_config
 
 
@@ -23,17 +24,19 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..errors import EesdError
-    from ..server import serve
+    from ..server import listen_socket, serve
 
-    if args.queue < 0:
-        raise EesdError(f"--queue must be >= 0, got {args.queue}", hint="e.g. --queue 8")
-    config = engine_config(args)
-    path = Path(args.model)
-    model_id = path.stem if path.suffix == ".gguf" else args.model  # a registry name, or the GGUF's file name
-    with load(**vars(config)) as engine:
-        print(engine.drafter_note, file=sys.stderr)
-        print(f"eesd: serving {model_id} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", file=sys.stderr)
-        serve(engine, model_id=model_id, aliases=(args.model, engine.model_path.name, engine.model_path.stem),
-              host=args.host, port=args.port, queue_max=args.queue, log_level=args.log_level)
+    check_int("queue", args.queue, 0, hint="requests that may wait while one runs, e.g. --queue 8")
+    sock = listen_socket(args.host, args.port)  # before the model loads: a bad address fails at once
+    try:
+        config = engine_config(args)
+        path = Path(args.model)
+        model_id = path.stem if path.suffix == ".gguf" else args.model  # a registry name, or the GGUF's file name
+        with load(**vars(config)) as engine:
+            print(engine.drafter_note, file=sys.stderr)
+            print(f"eesd: serving {model_id} on http://{args.host}:{args.port}/v1 (Ctrl-C stops)", file=sys.stderr)
+            serve(engine, model_id=model_id, aliases=(args.model, engine.model_path.name, engine.model_path.stem),
+                  host=args.host, port=args.port, queue_max=args.queue, log_level=args.log_level, sock=sock)
+    finally:
+        sock.close()
     return 0
