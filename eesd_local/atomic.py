@@ -53,7 +53,8 @@ def remove_stale_temps(folder: str | Path, name: str | None = None) -> list[Path
     return removed
 
 
-def _in_cache(folder: Path) -> bool:
+def in_cache(folder: Path) -> bool:
+    """Whether ``folder`` lies in eesd-local's cache ($EESD_HOME)."""
     try:
         return folder.resolve().is_relative_to(eesd_home().resolve())
     except OSError:
@@ -61,7 +62,9 @@ def _in_cache(folder: Path) -> bool:
 
 
 def check_overwrite(path: Path, force: bool) -> None:
-    """Refuse to replace an existing output unless ``force`` is set."""
+    """Refuse to replace an existing output unless ``force`` is set, and a folder always."""
+    if path.is_dir():
+        raise EesdError(f"the output {path} is a folder, not a file", hint="give the path of a file to write (it may lie in that folder)")
     if path.exists() and not force:
         raise EesdError(f"{path} already exists", hint="pass --force to overwrite it")
 
@@ -75,7 +78,7 @@ def atomic_path(path: str | Path, *, force: bool = True) -> Iterator[Path]:
         final.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise EesdError(f"cannot create {final.parent}: {exc.strerror}") from None
-    remove_stale_temps(final.parent, None if _in_cache(final.parent) else final.name)
+    remove_stale_temps(final.parent, None if in_cache(final.parent) else final.name)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     try:
         yield tmp

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .atomic import atomic_path
+from . import cachefile
 from .errors import EesdError
 from .paths import cache_dir
 
@@ -79,13 +79,13 @@ def draft_vocab(base_path: Path, size: int = DRAFT_VOCAB, *, force: bool = False
     base_path = Path(base_path)
     fp = fingerprint(base_path)
     path = cache_dir("drafts") / f"{base_path.stem}.vocab{size}.v{VOCAB_FORMAT}.{fp[:16]}.npy"
-    if path.is_file() and not force:
+    if not force and cachefile.intact(path):  # a damaged, truncated or foreign file is computed again below
         try:
             v = np.load(path)
             if v.dtype == np.int32 and v.ndim == 1:
                 return v
         except (OSError, ValueError):
-            pass  # a damaged cache file: computed again below
+            pass
     model = Model(base_path, vocab_only=True)
     try:
         n_vocab = model.n_vocab
@@ -100,7 +100,7 @@ def draft_vocab(base_path: Path, size: int = DRAFT_VOCAB, *, force: bool = False
         order = np.argsort(-counts, kind="stable")  # ties: the lower id first (BPE's earlier, commoner merges)
         v = np.sort(order[:size]).astype(np.int32)
     try:
-        with atomic_path(path, force=True) as tmp:
+        with cachefile.derived_path(path) as tmp:
             with open(tmp, "wb") as fh:
                 np.save(fh, v)
     except OSError as exc:

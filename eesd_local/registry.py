@@ -23,6 +23,7 @@ from functools import cache
 from importlib import resources
 from pathlib import Path
 
+from . import cachefile
 from .atomic import atomic_path, remove_stale_temps
 from .errors import EesdError
 from .paths import cache_dir, package_root
@@ -173,10 +174,10 @@ def resolve_model(model: str | os.PathLike[str], *, pull_missing: bool = True, p
     base, kind = split_variant(text)
     if kind is not None:
         path = variant_file(get_spec(base), kind)
-        if not path.is_file():
+        if not cachefile.intact(path):  # missing, or not the file that was built (damaged, truncated): built again
             if not pull_missing:
                 raise EesdError(f"model {text!r} is not built yet", hint=f"run: eesd models pull {base} --variant {kind}")
-            pull_variant(base, kind, progress=progress)
+            pull_variant(base, kind, progress=progress, force=True)
         return check_gguf(path)
     if text in known_models():
         spec = get_spec(text)
@@ -211,9 +212,9 @@ def pull_variant(name: str, kind: str, *, progress: Progress | None = None, forc
 
     spec = get_spec(name)
     out = variant_file(spec, kind)
-    if out.is_file() and not force:
+    if not force and cachefile.intact(out):
         return out
-    return requantize(pull(name, progress=progress), out, kind, force=True)
+    return requantize(pull(name, progress=progress), out, kind, force=True)  # a variant in the cache: with its digest
 
 
 # --- downloading ------------------------------------------------------------

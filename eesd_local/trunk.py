@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .atomic import atomic_path
+from . import cachefile
 from .draftvocab import DRAFT_VOCAB, draft_vocab
 from .errors import EesdError
 from .paths import cache_dir
@@ -80,7 +80,7 @@ def build_tail(base_path: Path, n: int, *, force: bool = False, out_path: Path |
         key = hashlib.sha256(f"{TAIL_FORMAT}|{fp}|{n}".encode()).hexdigest()[:24]
         out_path = cache_dir("drafts") / f"{base_path.stem}.tail{n}.{key}.gguf"
     out_path = Path(out_path)
-    if out_path.is_file() and not force:
+    if not force and cachefile.intact(out_path):  # damaged, truncated or foreign: built again below
         return out_path
     reader = _reader(base_path)
     kv = _split_kv(reader, arch, n_layer, n_layer - n, base_path, int(base["n_vocab"]))
@@ -101,12 +101,13 @@ def build_tail(base_path: Path, n: int, *, force: bool = False, out_path: Path |
 
 
 def _write_derived(out_path: Path, kv: list[bytes], tensors: list, alignment: int) -> None:
-    """Write a derived GGUF atomically: on any failure (a full disk, Ctrl-C) nothing is left in
-    the cache but a temp file that is removed at once, and the next run builds it again."""
+    """Write a derived GGUF atomically, with its digest (cachefile): on any failure (a full disk,
+    Ctrl-C) nothing is left in the cache but a temp file that is removed at once, and the next run
+    builds it again."""
     from .heads import ggufraw
 
     try:
-        with atomic_path(out_path, force=True) as tmp:
+        with cachefile.derived_path(out_path) as tmp:
             with open(tmp, "wb") as fh:
                 ggufraw.write_gguf(fh, kv, tensors, alignment=alignment)
     except OSError as exc:
@@ -159,7 +160,7 @@ def build_trunk(base_path: Path, head_path: Path, vocab: np.ndarray, *, lm_head_
         digest = hashlib.sha256(f"{TRUNK_FORMAT}|{draft_key(base_fp, head_path, lm_head_type)}|".encode() + vocab.tobytes())
         out_path = cache_dir("drafts") / f"{base_path.stem}.trunk{n}.v{len(vocab)}.{digest.hexdigest()[:24]}.gguf"
     out_path = Path(out_path)
-    if out_path.is_file() and not force:
+    if not force and cachefile.intact(out_path):  # damaged, truncated or foreign: built again below
         return out_path
     base, breader, hreader = read_head_pair(base_path, head_path, info)
     arch = base["arch"]

@@ -25,11 +25,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .atomic import atomic_path
+from . import cachefile
+from .atomic import atomic_path, in_cache
 from .errors import EesdError
+from .params import check_int
 
 VARIANTS = ("q8_0", "q5_0", "q4_0")
 COST_KS = (*range(1, 9), 16)  # batch sizes eesd bench measures: the draft lengths up to 8, and 16
+MAX_COST_K = 256  # the largest batch measured: its logits alone take k x n_vocab floats (155 MB for Qwen at 256)
 PREFIX_TOKENS = 64
 
 # progress(done, total, what)
@@ -76,11 +79,10 @@ def batch_costs(paths: Sequence[str | os.PathLike[str]], ks: Sequence[int] = tup
     machine's noise and compare side by side."""
     from .runtime import Context, ContextParams, Model, default_threads
 
-    if repeats < 1:
-        raise EesdError(f"the number of repeats must be at least 1, got {repeats}")
+    check_int("repeats", repeats, 1, hint="decodes per batch size, e.g. --repeats 12")
     ks = sorted(set(ks) | {1})
-    if ks[0] < 1:
-        raise EesdError(f"batch sizes must be at least 1, got {ks[0]}")
+    for k in ks:
+        check_int("the batch size", k, 1, MAX_COST_K, hint="measure batches up to the longest draft, e.g. --max-k 16")
     threads = n_threads or default_threads()
     opened = []
     try:
@@ -146,6 +148,7 @@ def requantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], kind: s
     dst_path = Path(dst)
     if dst_path.resolve() == src_path.resolve():
         raise EesdError(f"the output {dst_path} is the source file", hint="write the variant to another path")
+    cachefile.forget(dst_path)
     threads = n_threads or os.cpu_count() or 1
     with atomic_path(dst_path, force=force) as tmp, _terminate_as_interrupt():
         cmd = [sys.executable, "-m", "eesd_local.weights", str(src_path), str(tmp), kind, str(threads), str(os.getpid())]
@@ -160,6 +163,8 @@ def requantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], kind: s
             msg = err.decode("utf-8", "replace").strip().splitlines()
             raise EesdError(f"llama.cpp could not requantise {src_path.name} to {kind}: {msg[-1] if msg else proc.returncode}",
                             hint="check that the file loads (eesd generate --model ...) and that the disk has room")
+    if in_cache(dst_path.parent):  # a variant in the cache is read as the model itself: it gets a content check
+        cachefile.record(dst_path)
     return dst_path
 
 

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from .. import registry
 from ..errors import EesdError
+from ..params import MAX_THREADS, check_int, check_optional_int
 from ..weights import VARIANTS
 
 
@@ -114,10 +115,11 @@ def run_costs(args: argparse.Namespace) -> int:
     import json
 
     from ..atomic import check_overwrite, write_text_atomic
-    from ..weights import batch_costs
+    from ..weights import MAX_COST_K, batch_costs
 
-    if args.max_k < 1:
-        raise EesdError(f"--max-k must be at least 1, got {args.max_k}")
+    check_int("--max-k", args.max_k, 1, MAX_COST_K, hint="measure batches up to the longest draft, e.g. --max-k 16")
+    check_int("--repeats", args.repeats, 1, hint="e.g. --repeats 12")
+    check_optional_int("--threads", args.threads, 1, MAX_THREADS, hint="leave it out to use every core")
     if args.json and args.json != "-":
         check_overwrite(Path(args.json), args.force)
     for name in args.models:
@@ -152,10 +154,13 @@ def run_requant(args: argparse.Namespace) -> int:
     import json
     import time
 
-    from ..atomic import write_text_atomic
+    from ..atomic import check_overwrite, write_text_atomic
     from ..paths import cache_dir
     from ..weights import quality, requantize, tensor_types, variant_path
 
+    check_optional_int("--threads", args.threads, 1, MAX_THREADS, hint="leave it out to use every core")
+    if args.json:  # checked before the work, not after it
+        check_overwrite(Path(args.json), True)
     base, kind = registry.split_variant(args.model)
     if kind is not None:
         raise EesdError(f"{args.model!r} is already a variant", hint=f"requantise the source: eesd models requant {base} --type {args.kind}")

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import cachefile
 from ..atomic import atomic_path
 from ..errors import EesdError
 from ..paths import cache_dir
@@ -334,7 +335,7 @@ def build_draft(
     if out_path is None:
         out_path = cache_dir("drafts") / f"{base_path.stem}.exit{n}.{draft_key(base_fp, Path(head_path), lm_head_type)}.gguf"
     out_path = Path(out_path)
-    if out_path.is_file() and not force:
+    if not force and cachefile.intact(out_path):  # damaged, truncated or foreign: built again below
         return out_path
     base, breader, hreader = read_head_pair(base_path, Path(head_path), info)
     arch = base["arch"]
@@ -367,7 +368,7 @@ def build_draft(
                 return gguf.quants.quantize(dequantize(breader, src), qt)
 
             tensors.append(("output.weight", st.dims, int(qt), requantized))
-    with atomic_path(out_path, force=True) as tmp:
+    with cachefile.derived_path(out_path) as tmp:
         with open(tmp, "wb") as fh:
             ggufraw.write_gguf(fh, kv, tensors, alignment=breader.alignment)
     return out_path
