@@ -16,7 +16,7 @@ import signal
 import sys
 
 from .errors import EesdError
-from .interrupts import keep_interrupts
+from .interrupts import Terminated, keep_interrupts
 
 COMMAND_MODULES = [
     "eesd_local.commands.models",
@@ -63,11 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     keep_interrupts()
     try:
         return _run(argv)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM where a command turned it into Terminated
         with contextlib.suppress(ValueError):  # ValueError: not the main thread
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while exiting must not print a traceback
-        print("\neesd: interrupted", file=sys.stderr)
-        return 130
+        terminated = isinstance(exc, Terminated)
+        print(f"\neesd: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        return Terminated.exit_code if terminated else 130
 
 
 def _run(argv: list[str] | None) -> int:

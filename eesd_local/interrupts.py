@@ -6,20 +6,35 @@ callbacks while numba compiles (llvmlite's object-cache hook) and while llama.cp
 Ctrl-C at start-up could print a traceback and then be ignored: the program ran on to the end.
 :func:`keep_interrupts` installs an unraisable hook that says nothing for a KeyboardInterrupt and
 delivers it again to the main thread a moment later, once the callback has returned (if that
-lands in another callback, the same happens again: each time the C side has moved on).
+lands in another callback, the same happens again: each time the C side has moved on). The same
+hook keeps quiet about llvmlite objects whose construction such an interrupt cut short: their
+``__del__`` fails on a missing attribute with nothing to free. :class:`Terminated` is SIGTERM raised
+the same way (exit 143) where a command asks for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 REDELIVER_AFTER_S = 0.02
 
 
+def _interrupted_construction(hook_args: Any) -> bool:
+    """llvmlite's ObjectRef.__del__ failing on an object whose construction a Ctrl-C cut short (numba was
+    compiling): it has nothing to free, and its AttributeError is noise after the interrupt."""
+    obj = hook_args.object
+    return (hook_args.exc_type is AttributeError and getattr(obj, "__name__", "") == "__del__"
+            and getattr(obj, "__module__", "").startswith("llvmlite."))
+
+
 def _redeliver_interrupts(hook_args: Any) -> None:
+    if _interrupted_construction(hook_args):
+        return
     if hook_args.exc_type is not None and issubclass(hook_args.exc_type, KeyboardInterrupt):
         # a real signal, not _thread.interrupt_main: that one does not wake a main thread in a blocking call
         main = threading.main_thread().ident
@@ -28,6 +43,34 @@ def _redeliver_interrupts(hook_args: Any) -> None:
         timer.start()
         return
     sys.__unraisablehook__(hook_args)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised as an interrupt so that the same cleanup runs as for Ctrl-C; the command exits 143."""
+
+    exit_code = 128 + signal.SIGTERM
+
+
+def interrupt_for(signum: int) -> KeyboardInterrupt:
+    """The exception a command raises for ``signum`` once it has stopped cleanly."""
+    return Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """Meanwhile SIGTERM raises :class:`Terminated`, so a plain ``kill`` stops like Ctrl-C (exit 143)."""
+    def terminate(signum: int, frame: object) -> None:
+        raise Terminated
+
+    try:
+        old = signal.signal(signal.SIGTERM, terminate)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def keep_interrupts() -> None:

@@ -9,11 +9,13 @@ common prefix and roll back past rejected drafts.
 
 from __future__ import annotations
 
+import atexit
 import codecs
 import ctypes
 import functools
 import os
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +117,10 @@ def default_threads() -> int:
 class Model:
     """A loaded GGUF: weights, vocabulary and metadata."""
 
+    ptr: Any = None  # llama_model*; None once freed (or before it was loaded)
+    _contexts = 0  # contexts made from it and not freed yet: the model is freed after the last of them
+    _close_asked = False  # close() came while contexts were alive: the last one's close frees the model
+
     def __init__(self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, vocab_only: bool = False) -> None:
         _init_backend()
         self.path = check_gguf(Path(path))  # llama.cpp aborts the process on some damaged files: refuse them first
@@ -125,6 +131,7 @@ class Model:
         if not ptr:
             raise EesdError(f"llama.cpp could not load {self.path}", hint="the file may be truncated or of an unsupported architecture; set EESD_LLAMA_LOG=1 to see why")
         self.ptr = ptr
+        _track(self)
         self.vocab_only = vocab_only  # no weights: tokenizer and metadata only (size_bytes still counts the file's tensors)
         self.vocab = lc.llama_model_get_vocab(ptr)
         self.n_vocab = int(lc.llama_vocab_n_tokens(self.vocab))
@@ -210,15 +217,52 @@ class Model:
         return eog
 
     def close(self) -> None:
-        if getattr(self, "ptr", None):
-            lc.llama_model_free(self.ptr)
-            self.ptr = None
+        """Free the model, exactly once whatever signals arrive (see :func:`_take`), and never before a
+        context made from it: the garbage collector finalizes a cycle's objects in any order."""
+        if self._contexts > 0:
+            self._close_asked = True
+            return
+        ptr = _take(self, "ptr")
+        if ptr:
+            lc.llama_model_free(ptr)
 
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:
+        except BaseException:  # a KeyboardInterrupt here would only be printed as "ignored"
             pass
+
+
+_live: weakref.WeakSet[Any] = weakref.WeakSet()  # models and contexts not freed yet (their atexit close)
+_live_lock = threading.Lock()
+
+
+def _track(obj: Model | Context) -> None:
+    """Free ``obj`` at exit, while the interpreter is whole, if nothing did before: a __del__ during the
+    interpreter's teardown could run after the log callback llama.cpp calls was gone."""
+    with _live_lock:
+        if not _live:
+            atexit.register(_close_live)
+        _live.add(obj)
+
+
+def _close_live() -> None:
+    with _live_lock:
+        left = list(_live)
+    for obj in sorted(left, key=lambda o: isinstance(o, Model)):  # contexts first, then their models
+        try:
+            obj.close()
+        except BaseException:  # exiting anyway: the rest still get closed
+            pass
+
+
+def _take(obj: object, name: str) -> Any:
+    """Remove the handle ``name`` from ``obj`` and return it (None if it is gone already), before the
+    caller frees it. ``dict.pop`` is one C call: neither a signal handler nor another thread runs inside
+    it, so of two closes (a KeyboardInterrupt raised right after a free, then ``__del__``; or two threads)
+    exactly one gets the handle. An interrupt between the pop and the free leaks the handle, never frees
+    it twice. The class attribute (None) answers for the handle from then on."""
+    return vars(obj).pop(name, None)
 
 
 def _not_utf8(text: str, i: int) -> EesdError:
@@ -260,6 +304,9 @@ class ContextParams:
 class Context:
     """One llama.cpp context with a single sequence and a record of its KV contents."""
 
+    ptr: Any = None  # llama_context*; None once freed (or before it was made)
+    _batch: Any = None  # its llama_batch
+
     def __init__(self, model: Model, params: ContextParams | None = None, *, cb_eval: tuple[int, int] | None = None,
                  embd: int = 0) -> None:
         """``cb_eval``: (function, user data) addresses of a graph eval callback (the shared trunk's
@@ -284,10 +331,13 @@ class Context:
         if cb_eval is not None:
             cp.cb_eval = ctypes.cast(cb_eval[0], lc.ggml_backend_sched_eval_callback)
             cp.cb_eval_user_data = ctypes.c_void_p(cb_eval[1])
+        model._contexts += 1  # before llama.cpp holds the model: whatever happens next, the model outlives the context
         ptr = lc.llama_init_from_model(model.ptr, cp)
         if not ptr:
+            model._contexts -= 1
             raise EesdError(f"llama.cpp could not create a context of {params.n_ctx} tokens for {model.path.name}", hint="try a smaller --n-ctx")
         self.ptr = ptr
+        _track(self)
         # llama.cpp pads the KV size up to a multiple of 256 but caps a batch at the n_ctx asked
         # for: hold both to what was asked, so chunking never exceeds the real batch
         self.n_ctx = min(params.n_ctx, int(lc.llama_n_ctx(ptr)))
@@ -395,15 +445,22 @@ class Context:
         return np.stack([self.logits(i) for i in range(self._n_out)])
 
     def close(self) -> None:
-        if getattr(self, "ptr", None):
-            lc.llama_batch_free(self._batch)
-            lc.llama_free(self.ptr)
-            self.ptr = None
+        """Free the context and its batch, each exactly once whatever signals arrive (see :func:`_take`)."""
+        ptr = _take(self, "ptr")
+        batch = _take(self, "_batch")
+        if batch is not None:
+            lc.llama_batch_free(batch)
+        if ptr:
+            lc.llama_free(ptr)
+            model = self.model
+            model._contexts -= 1
+            if model._contexts == 0 and model._close_asked:
+                model.close()
 
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:
+        except BaseException:  # a KeyboardInterrupt here would only be printed as "ignored"
             pass
 
 

@@ -9,6 +9,10 @@ from pathlib import Path
 
 from ..errors import EesdError
 from ..heads.data import DEFAULT_MIX, DEFAULT_TRAIN_VOCAB, MIXES
+from ..interrupts import terminate_as_interrupt
+from ..params import MAX_THREADS, check_int, check_number
+
+MAX_NEW = 1024  # answer tokens per prompt: the draft is run over prompt (up to 1024 tokens) + answer in 2048
 
 
 def register(subparsers) -> None:
@@ -183,10 +187,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from ..heads import evaluate
     from ..registry import models_dir, resolve_model
 
+    check_int("--max-new", args.max_new, 1, MAX_NEW, hint="answer tokens per prompt, e.g. --max-new 128")
+    check_int("--threads", args.threads, 1, MAX_THREADS, hint="e.g. --threads 2")
+    if args.cost is not None:
+        check_number("--cost", args.cost, 0.0, lo_open=True, hint="a draft token's cost over a target token's, e.g. "
+                     "--cost 0.3, or leave it out to measure it")
     model = resolve_model(args.model)
     head = _head_for(model, args.head)
     prompts = args.prompts or models_dir() / "eval_prompts.jsonl"
-    rep = evaluate.evaluate(model, head, prompts, max_new=args.max_new, threads=args.threads, cost=args.cost)
+    with terminate_as_interrupt():  # SIGTERM stops it as Ctrl-C does (exit 143), before any report is printed
+        rep = evaluate.evaluate(model, head, prompts, max_new=args.max_new, threads=args.threads, cost=args.cost)
     if args.json:
         print(json.dumps(rep, indent=1))
         return 0

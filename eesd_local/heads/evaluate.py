@@ -66,7 +66,7 @@ def target_answers(model_path: Path, prompts_path: Path, *, max_new: int = 128, 
     have = teacher.done_ids(out) if out.exists() else set()
     if not all(it.id in have for it in items):
         cfg = teacher.TeacherConfig(n_parallel=n_parallel, max_new=max_new, threads=threads, max_prompt=1024, shard_tokens=10**9)
-        teacher.run_teacher(model_path, items, out, cfg=cfg)
+        teacher.run_teacher(model_path, items, out, cfg=cfg, raise_on_signal=True)  # no report from half the answers
     return out
 
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..atomic import atomic_path
 from ..errors import EesdError
+from ..interrupts import interrupt_for
 from .data import Item
 
 SHARD_GLOB = "teacher-*.npz"
@@ -162,10 +163,17 @@ class LlamaRunner:
         self.L.llama_memory_seq_rm(self.mem, seq, -1, -1)
 
     def close(self) -> None:
+        """Free the batch, the context and the model, each once: a handle leaves the object before it is
+        freed (dict.pop, one C call), so a Ctrl-C landing in between never leads to a second free."""
         L = self.L
-        L.llama_batch_free(self.batch)
-        L.llama_free(self.ctx)
-        L.llama_model_free(self.model)
+        handles = vars(self)
+        batch, ctx, model = handles.pop("batch", None), handles.pop("ctx", None), handles.pop("model", None)
+        if batch is not None:
+            L.llama_batch_free(batch)
+        if ctx:
+            L.llama_free(ctx)
+        if model:
+            L.llama_model_free(model)
 
 
 _LOG_CB = None
@@ -217,11 +225,14 @@ def run_teacher(
     time_limit_s: float = 1e12,
     progress: Callable[[dict], None] | None = None,
     stop_when: Callable[[int, float], bool] | None = None,
+    raise_on_signal: bool = False,
 ) -> int:
     """Generate/teacher-force ``items`` into shards under ``out_dir`` until ``budget_tokens``
     tokens are on disk (counting earlier shards), ``time_limit_s`` passed or ``stop_when(tokens
     on disk and in flight, seconds)`` says so; sequences under way are finished first. Returns
-    the tokens on disk. Ctrl-C flushes."""
+    the tokens on disk. Ctrl-C or SIGTERM stops it and keeps the finished sequences (a later run
+    goes on from them); with ``raise_on_signal`` it then raises KeyboardInterrupt (Terminated
+    for SIGTERM), for callers whose result would be partial."""
     cfg = cfg or TeacherConfig()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -240,11 +251,13 @@ def run_teacher(
     buffered = 0
     t0 = time.time()
     made = 0
-    stop = {"flag": False}
+    stop = {"flag": False, "signum": 0}
     old = signal.getsignal(signal.SIGINT)
+    old_term = signal.getsignal(signal.SIGTERM)
 
     def _on_sigint(signum, frame):  # noqa: ARG001
         stop["flag"] = True
+        stop["signum"] = signum
 
     signal.signal(signal.SIGINT, _on_sigint)
     signal.signal(signal.SIGTERM, _on_sigint)
@@ -320,8 +333,10 @@ def run_teacher(
         flush()
     finally:
         signal.signal(signal.SIGINT, old)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if old_term is None else old_term)
         runner.close()
+    if raise_on_signal and stop["signum"]:
+        raise interrupt_for(stop["signum"])
     return on_disk + made
 
 
