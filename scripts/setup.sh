@@ -19,10 +19,11 @@ if [ ! -x .venv/bin/python ]; then
 fi
 PIP=".venv/bin/python -m pip"
 
-if ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
-  step "building llama-cpp-python 0.3.36 (compiles llama.cpp: about 6 minutes on 2 cores)"
-  # pip -v shows the compiler's [n/N] steps; print only those, as a progress line
-  $PIP install -v "llama-cpp-python==0.3.36" 2>&1 | .venv/bin/python scripts/build_progress.py
+if ! why=$(.venv/bin/python scripts/llama_build.py check 2>&1); then
+  step "building llama-cpp-python 0.3.36 from its vendored llama.cpp with eesd-local's patch ($why)"
+  # native/patches: decode batches are batch-invariant on the CPU (greedy speculation is exact);
+  # a patch that does not apply stops the set-up here, with one line
+  .venv/bin/python scripts/llama_build.py install
 fi
 
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
