@@ -2,9 +2,10 @@
 (``create_completion``, ``create_chat_completion``) as llama-cpp-python users know them,
 on top of :meth:`Engine.generate`.
 
-Greedy output equals plain decoding, except where the target's two best tokens tie within the
-float noise between batched and single-token decodes (the bench certifies each such divergence);
-sampling keeps the target's exact distribution (real speculative sampling, not "sample and match").
+On the CPU, greedy output is byte-identical to plain decoding, whatever the drafter, the controller
+and the timing (elsewhere, such as on a GPU, it can leave plain decoding's at a near tie, and the
+``speculation`` block's ``exact`` says which holds); sampling keeps the target's exact distribution
+(real speculative sampling, not "sample and match"). The wording is ``eesd_local.lossless.CLAIM``.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def _usage(fin: FinishEvent) -> dict[str, Any]:
 def _speculation(fin: FinishEvent) -> dict[str, Any]:
     s = fin.stats
     return {
-        "drafter": s.drafter, "controller": s.controller, "rounds": s.n_rounds, "drafted": s.n_drafted,
+        "drafter": s.drafter, "controller": s.controller, "exact": s.exact, "rounds": s.n_rounds, "drafted": s.n_drafted,
         "accepted": s.n_accepted, "acceptance_rate": s.acceptance_rate, "tau": s.tau, "tokens_per_s": s.tokens_per_s,
         "acceptance_by_position": s.acceptance_by_position,
     }

@@ -20,7 +20,7 @@ import numpy as np
 
 from . import chat as chat_mod
 from . import native_round
-from .defaults import BATCH_MS, DRAFT_MAX, N_CTX
+from .defaults import BATCH_MS, DRAFT_MAX, N_CTX, PREFILL_CHUNK
 from .drafters import DRAFTERS, make_drafter, n_sources, shared_trunk_plan
 from .drafters.base import Drafter, NoDrafter
 from .errors import EesdError
@@ -39,7 +39,7 @@ from .params import (
 )
 from .registry import resolve_model
 from .rounds import Controller, RoundLoop, round_limit
-from .runtime import Context, ContextParams, Detokenizer, Model, common_prefix
+from .runtime import Context, ContextParams, Detokenizer, Model, common_prefix, exactness
 from .sampling import SamplingParams, Uniform, probs, sample
 from .trunk import open_split
 
@@ -63,6 +63,11 @@ class EngineConfig:
     # None (default): for eesd and hierarchical, not for auto (on a CPU a split target's plain round costs
     # ~5% more, and auto mostly runs plain or lookup rounds there; its model drafter stays lazy instead)
     shared_trunk: bool | None = None
+    # which part of the cache a new prompt reuses: "exact" (default) only what a fresh prefill of that
+    # prompt computes the same way, so an answer depends on its prompt alone; "conversation" also the
+    # turns a continued conversation shares with it (eesd-chat: a turn's answer is then plain decoding's
+    # of the same conversation, with the earlier answers as they were decoded)
+    cache_reuse: str = "exact"
 
 
 class _Generation:
@@ -95,6 +100,9 @@ class Engine:
         self._live: RoundLoop | None = None  # its round loop (for cancel)
         self._cancel = False
         check_config(config)
+        # greedy output byte-identical to plain decoding (runtime.exactness), and why (not)
+        self.exact, self.exact_note = exactness(draft_max=config.draft_max, n_gpu_layers=config.n_gpu_layers)
+        self._whole = 0  # leading PREFILL_CHUNK-aligned chunks the target's cache holds as a fresh prefill computes them
         self.model_path = resolve_model(config.model)
         # with the shared trunk the target's weights are the trunk's and the tail's: its own load is vocabulary only
         plan, no_split = shared_trunk_plan(config, self.model_path)
@@ -188,7 +196,7 @@ class Engine:
     def _run(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop: list[str]) -> Generator[Event, None, None]:
         ctx, model, drafter, ctl = self.ctx, self.model, self.drafter, self.controller
         rng = params.rng()
-        stats = Stats(n_prompt=len(prompt), drafter=drafter.name, controller=ctl.name)
+        stats = Stats(n_prompt=len(prompt), drafter=drafter.name, controller=ctl.name, exact=self.exact)
         detok = Detokenizer(model)
         text: list[str] = []
         history = list(prompt)
@@ -197,11 +205,8 @@ class Engine:
         t_start = 0.0
         try:
             t0 = time.perf_counter()
-            # prefill, reusing the cached common prefix; the last prompt token gives the first logits
-            keep = min(common_prefix(ctx.tokens, prompt), len(prompt) - 1)
-            ctx.trim(keep)
-            ctx.decode(prompt[keep:])
-            t_fed, n_fed = time.perf_counter() - t0, len(prompt) - keep
+            n_fed = self._prefill(prompt)  # the last prompt token gives the first logits
+            t_fed = time.perf_counter() - t0
             first = self._pick(ctx.logits(), params, rng)
             drafter.begin(prompt)
             ctl.begin_request()
@@ -265,6 +270,36 @@ class Engine:
         if tail:
             text.append(tail)
         yield FinishEvent(reason, stats, "".join(text))  # type: ignore[arg-type]
+
+    def _prefill(self, prompt: list[int]) -> int:
+        """Decode ``prompt`` into the target's cache, reusing what it shares with the cache; returns
+        how many tokens were decoded.
+
+        Where greedy output is exact, a fresh prompt is decoded in PREFILL_CHUNK-aligned chunks (the
+        last one holding the logit row), and only whole chunks computed that way are reused: batched
+        kernels give a row other bits in another batch, so a row reused from another computation (an
+        earlier answer's decode, a chunk cut elsewhere) could change the answer. ``cache_reuse=
+        "conversation"`` reuses the whole shared prefix instead."""
+        ctx = self.ctx
+        keep = min(common_prefix(ctx.tokens, prompt), len(prompt) - 1)
+        if not self.exact:
+            ctx.trim(keep)
+            ctx.decode(prompt[keep:])
+            return len(prompt) - keep
+        c = PREFILL_CHUNK
+        whole = min(self._whole, ctx.n_past // c)
+        if self.config.cache_reuse == "exact":
+            keep = min(keep // c, whole) * c
+        ctx.trim(keep)
+        self._whole = min(whole, keep // c)
+        start = keep
+        while start < len(prompt):
+            end = min((start // c + 1) * c, len(prompt))
+            ctx.decode(prompt[start:end], n_logits=1 if end == len(prompt) else 0)
+            if start == self._whole * c and end - start == c:
+                self._whole += 1
+            start = end
+        return len(prompt) - keep
 
     def _pick(self, logits: np.ndarray, params: SamplingParams, rng: Uniform) -> int:
         if params.greedy:
@@ -408,6 +443,7 @@ def check_config(config: EngineConfig) -> None:
     check_number("batch_ms", config.batch_ms, 0.0, MAX_BATCH_MS, hint=f"e.g. {BATCH_MS:g}; 0 returns after every round")
     if config.shared_trunk is not None:
         check_choice("shared_trunk", config.shared_trunk, (True, False), hint="or None for the drafter's default")
+    check_choice("cache_reuse", config.cache_reuse, ("exact", "conversation"))
 
 
 def _make_controller(spec: Any, draft_max: int, seed: int, sources: int = 1) -> Controller:

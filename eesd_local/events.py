@@ -50,6 +50,7 @@ class Stats:
     draft_lengths: list[int] = field(default_factory=list)  # per round
     drafter: str = ""
     controller: str = ""
+    exact: bool = False  # greedy output is byte-identical to plain decoding on this engine (runtime.exactness)
     # per drafting source (lookup, eesd, draft-model, ...): [rounds it drafted, tokens drafted, accepted]
     by_source: dict[str, list[int]] = field(default_factory=dict)
 

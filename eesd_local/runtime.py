@@ -106,6 +106,86 @@ def _init_backend() -> None:
         _backend_ready = True
 
 
+def _ggml_symbol(name: str) -> Any:
+    """A C function of the ggml libraries llama-cpp-python loaded (None if none exports it)."""
+    import llama_cpp.llama_cpp as raw
+
+    base = Path(raw._base_path)
+    for lib in ("ggml-cpu", "ggml", "ggml-base", "llama"):
+        for path in (base / f"lib{lib}.so", base / f"lib{lib}.dylib", base / f"{lib}.dll"):
+            if path.exists():
+                try:
+                    fn = getattr(ctypes.CDLL(str(path)), name, None)
+                except OSError:
+                    continue
+                if fn is not None:
+                    return fn
+    return None
+
+
+@functools.cache
+def exact_rows() -> int:
+    """How many rows a decode batch may hold and stay batch-invariant on the CPU: every row's logits
+    bit-identical to the same token decoded alone (``ggml_cpu_exact_rows()``, exported by the llama.cpp
+    that scripts/llama_build.py builds with native/patches/ggml-exact-rows.patch); 0 for a build
+    without the patch."""
+    fn = _ggml_symbol("ggml_cpu_exact_rows")
+    if fn is None:
+        return 0
+    fn.restype = ctypes.c_int
+    return max(0, int(fn()))
+
+
+def offload_devices() -> list[str]:
+    """The GPU and accelerator devices llama.cpp can offload layers to (RPC servers included once added)."""
+    count, get, kind, name = (_ggml_symbol(f) for f in ("ggml_backend_dev_count", "ggml_backend_dev_get",
+                                                        "ggml_backend_dev_type", "ggml_backend_dev_name"))
+    if None in (count, get, kind, name):
+        return []
+    count.restype = ctypes.c_size_t
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    kind.restype, kind.argtypes = ctypes.c_int, [ctypes.c_void_p]
+    name.restype, name.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+    _init_backend()
+    out = []
+    for i in range(int(count())):
+        dev = get(i)
+        if kind(dev) != 0:  # GGML_BACKEND_DEVICE_TYPE_CPU
+            out.append((name(dev) or b"?").decode("utf-8", "replace"))
+    return out
+
+
+# what the engine says when greedy output is not exact, by cause
+NOT_EXACT = {
+    "build": "this llama.cpp lacks eesd-local's batch-invariant patch (install with scripts/setup.sh)",
+    "gpu": "layers run on a GPU backend, whose kernels change with the batch size",
+    "rpc": "layers run on RPC servers, whose kernels eesd-local cannot check",
+    "amx": "llama.cpp's AMX weight buffers are on (EESD_EXTRA_BUFTS=1), and they batch differently",
+}
+
+
+def exactness(*, draft_max: int, n_gpu_layers: int = 0, rpc: bool = False) -> tuple[bool, str]:
+    """Whether greedy speculative output is byte-identical to plain decoding here, and why (not).
+
+    It is when every verify batch (at most ``draft_max`` + 1 rows) runs the CPU backend's
+    batch-invariant kernels: the patched build, no layer on another backend, and no weight buffer
+    type the patch does not cover."""
+    rows = exact_rows()
+    if rows == 0:
+        off = _ggml_symbol("ggml_cpu_exact_rows") is not None  # patched, but GGML_CPU_EXACT_ROWS=0
+        return False, "GGML_CPU_EXACT_ROWS=0 turned the batch-invariant kernels off" if off else NOT_EXACT["build"]
+    if rpc:
+        return False, NOT_EXACT["rpc"]
+    if n_gpu_layers != 0 and offload_devices():
+        return False, NOT_EXACT["gpu"]
+    if draft_max + 1 > rows:
+        return False, (f"a verify batch of {draft_max + 1} tokens is more than the {rows} rows the CPU kernels keep "
+                       f"batch-invariant (pass --draft-max {rows - 1} or less)")
+    if extra_bufts_allowed() and cpu_has_amx():
+        return False, NOT_EXACT["amx"]
+    return True, f"batch-invariant CPU kernels for batches of up to {rows} tokens"
+
+
 def default_threads() -> int:
     """``EESD_THREADS`` or the number of cores (llama.cpp's results do not depend on it)."""
     env = os.environ.get("EESD_THREADS")

@@ -1,5 +1,5 @@
-"""The speculative engine on the real demo model: lossless greedy output with every
-drafter, the target as its own drafter, cancellation, bad input, the Python API."""
+"""The speculative engine on the real demo model: the target as its own drafter, provenance,
+cancellation, bad input, the Python API. (Greedy output equal to plain decoding: test_exact.py.)"""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 import eesd_local
-from eesd_local import heads, lossless
-from eesd_local import rounds as rounds_mod
+from eesd_local import heads
 from eesd_local.errors import EesdError
 from eesd_local.events import FinishEvent, RoundEvent, TokenEvent
 
@@ -33,65 +32,12 @@ def plain():
         yield eng, prompts, outs
 
 
-DRAFTERS = {
-    "lookup": dict(drafter="lookup"),
-    "draft-model": dict(drafter="draft-model", draft_model=QWEN05),
-    "hierarchical": dict(drafter="hierarchical", draft_model=QWEN05),
-    "eesd": dict(drafter="eesd"),
-    "hierarchical-eesd": dict(drafter="hierarchical"),
-}
-
-
-@pytest.mark.parametrize("name", list(DRAFTERS))
-def test_greedy_equals_plain_decoding(plain, name):
+def test_target_as_its_own_drafter_accepts_everything_when_sampling(plain):
+    """p == q makes min(1, p/q) == 1: every draft of the target itself is accepted. (Greedy: tests/test_exact.py.)"""
     eng0, prompts, outs = plain
-    assert len(prompts) >= 20
-    diverged = []
-    with eesd_local.load(QWEN05, n_ctx=2048, controller="fixed:4", **DRAFTERS[name]) as eng:
-        total_drafted = 0
-        for prompt, ref in zip(prompts, outs):
-            got, evs = _tokens(eng, prompt, max_tokens=MAX_TOKENS)
-            total_drafted += evs[-1].stats.n_drafted
-            div = lossless.compare(eng0.model, prompt, ref, got)
-            if div is not None:
-                assert div.near_tie, f"{name}: divergence at {div.index} is not a near tie: gap {div.gap:.3f}"
-                diverged.append(div)
-    assert total_drafted > 0, "the drafter never drafted: the test would not test anything"
-    # batched verification rounds differently from single-token decoding; on this quantised
-    # model about 1 generated position in 150 is a near tie (measured), so a few prompts of
-    # 21 x 32 tokens may take the other branch; more than a third would mean a real bug
-    print(f"\n{name}: {len(diverged)} of {len(prompts)} prompts diverged, all at near ties: "
-          + ", ".join(f"{d.index}:{d.gap:+.3f}" for d in diverged))
-    assert len(diverged) <= len(prompts) // 3, f"{name}: {len(diverged)} of {len(prompts)} prompts diverged"
-
-
-def test_target_as_its_own_drafter_accepts_everything(plain, monkeypatch):
-    eng0, prompts, outs = plain
-    gaps: list[float] = []  # target logit gap at every greedy rejection
-    real_verify = rounds_mod.verify_greedy
-
-    def recording_verify(logits, drafts, bonus=True):
-        m, nxt = real_verify(logits, drafts, bonus)
-        if m < len(drafts):
-            gaps.append(float(logits[m][nxt] - logits[m][drafts[m]]))
-        return m, nxt
-
-    monkeypatch.setattr(rounds_mod, "verify_greedy", recording_verify)
-    monkeypatch.setenv("EESD_NATIVE", "0")  # the gaps are recorded in the Python loop's verify
     with eesd_local.load(QWEN05, n_ctx=2048, drafter="draft-model", draft_model=QWEN05, controller="fixed:4") as eng:
-        rounds = 0
-        for prompt in prompts[:8]:
-            fin = eng.run(prompt, max_tokens=MAX_TOKENS)
-            rounds += fin.stats.n_rounds
-        # sampling: p == q makes min(1, p/q) == 1, so acceptance is certain
         fin = eng.run(prompts[0], max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=5)
         assert fin.stats.n_drafted > 0 and fin.stats.n_accepted == fin.stats.n_drafted
-    assert rounds > 30
-    # greedy: a draft is rejected only where batched and single-token logits flip a near tie
-    assert all(abs(g) < lossless.NEAR_TIE for g in gaps), gaps
-    # how often a near tie flips depends on the CPU's kernels: measured 3 in 52 rounds on an
-    # AVX-512 EPYC (flash attention off), none in most runs on AVX2; a real bug rejects far more
-    assert len(gaps) <= max(1, rounds // 10), f"{len(gaps)} rejections in {rounds} rounds"
 
 
 def test_rounds_and_provenance(plain):
@@ -119,7 +65,7 @@ def test_cancel_leaves_cache_consistent(plain):
         gen.close()  # cancel mid-answer: the rollback in the engine's finally runs
         assert eng.ctx.n_past < len(prompts[1]) + MAX_TOKENS
         got, _ = _tokens(eng, prompts[2], max_tokens=MAX_TOKENS)
-    assert lossless.compare(eng0.model, prompts[2], outs[2], got) is None or lossless.compare(eng0.model, prompts[2], outs[2], got).near_tie
+    assert got == outs[2]
 
 
 def test_context_full_stops_with_reason_context():

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 import eesd_local
-from eesd_local import lossless
 from eesd_local.controllers import layout as L
 from eesd_local.controllers import make_controller
 from eesd_local.controllers.thompson import MATCH_PRIOR, MATCH_REQUEST_EVIDENCE, match_class, match_prior_mean
@@ -224,8 +223,7 @@ def test_auto_writes_without_drafting_then_copies_with_lookup(qwen05_path):
     body): while it writes, what lookup's short matches are drafted costs next to nothing against plain
     decoding, priced by this machine's own B(k) (where a batch of 2 costs 1.86 tokens it drafts
     rarely; where it costs 1.12, a one-token draft pays from p = 0.12 and it drafts more); once it
-    copies, lookup drafts long runs and keeps them. The output is plain decoding's but at certified
-    near ties."""
+    copies, lookup drafts long runs and keeps them. The output is plain decoding's."""
     msg = [{"role": "user", "content": ASK}]
     with eesd_local.load(qwen05_path, drafter="none") as plain:
         prompt = plain.tokenize(plain.apply_chat_template(msg))
@@ -233,36 +231,24 @@ def test_auto_writes_without_drafting_then_copies_with_lookup(qwen05_path):
         body, n_copied = _longest_copy(prompt, ref)
         # (which lines it copies verbatim depends on the CPU's rounding: found, not pinned)
         assert body > 40 and n_copied >= 30, f"plain decoding did not write a docstring and then copy: {(body, n_copied)}"
-        followed = None
         cost = batch_costs([qwen05_path], range(1, 10), repeats=6)[0].ratios  # this machine's B(k)
         with eesd_local.load(qwen05_path, drafter="auto") as eng:
             eng.run(eng.apply_chat_template([{"role": "user", "content": "Say hello."}]), max_tokens=16)  # costs
-            # a certified near tie before the copy may send the answer elsewhere (the copy check then
-            # needs another try; each try is checked for losslessness and for what it wastes while writing)
-            for _ in range(3):
-                evs = list(eng.generate(prompt, max_tokens=200))
-                got = [e.token for e in evs if isinstance(e, TokenEvent)]
-                div = lossless.compare(plain.model, prompt, ref, got)
-                assert div is None or div.near_tie, div
-                rounds = [e for e in evs if isinstance(e, RoundEvent)]
-                ends = np.cumsum([r.emitted for r in rounds])
-                writing = [r for r, end in zip(rounds, ends, strict=True) if 12 <= end < min(body - 2, len(got))
-                           and got[:end] == ref[:end]]
-                # time beyond plain decoding's for the same tokens, in plain tokens: a round of d drafts with
-                # a accepted costs B(d + 1) and gives a + 1 tokens (lookup's search is free)
-                extra = sum(cost[r.drafted + 1] - (1 + r.accepted) for r in writing if r.drafted)
-                # (AMD EPYC, B(2) 1.86: 13 drafted, 6 wasted over 89 writing rounds, about +0.045 a round; learning
-                # lookup from its own drafts instead, `cost-ts:no-hindsight`: 61 drafted, 40 wasted over 96, about
-                # +0.3. Intel Xeon with AVX-512 and no repacking, B(2) 1.10: -0.06..-0.12 a round, and -0.01..-0.08
-                # without hindsight: drafting pays even while writing there)
-                assert extra <= 0.08 * len(writing), (extra, [(r.drafted, r.accepted) for r in writing if r.drafted])
-                if got[: body + n_copied] == ref[: body + n_copied]:
-                    followed = rounds
-                    break
-    if followed is None:
-        pytest.skip("three answers left plain decoding's at certified near ties before the copy")
-    ends = np.cumsum([r.emitted for r in followed])
-    copying = [r for r, end in zip(followed, ends, strict=True)
+            evs = list(eng.generate(prompt, max_tokens=200))
+    got = [e.token for e in evs if isinstance(e, TokenEvent)]
+    assert got == ref
+    rounds = [e for e in evs if isinstance(e, RoundEvent)]
+    ends = np.cumsum([r.emitted for r in rounds])
+    writing = [r for r, end in zip(rounds, ends, strict=True) if 12 <= end < min(body - 2, len(got))]
+    # time beyond plain decoding's for the same tokens, in plain tokens: a round of d drafts with
+    # a accepted costs B(d + 1) and gives a + 1 tokens (lookup's search is free)
+    extra = sum(cost[r.drafted + 1] - (1 + r.accepted) for r in writing if r.drafted)
+    # (AMD EPYC, B(2) 1.86: 13 drafted, 6 wasted over 89 writing rounds, about +0.045 a round; learning
+    # lookup from its own drafts instead, `cost-ts:no-hindsight`: 61 drafted, 40 wasted over 96, about
+    # +0.3. Intel Xeon with AVX-512 and no repacking, B(2) 1.10: -0.06..-0.12 a round, and -0.01..-0.08
+    # without hindsight: drafting pays even while writing there)
+    assert extra <= 0.08 * len(writing), (extra, [(r.drafted, r.accepted) for r in writing if r.drafted])
+    copying = [r for r, end in zip(rounds, ends, strict=True)
                if body + 2 <= end - r.emitted and end <= body + min(n_copied, 60)]
     kept = sum(r.accepted for r in copying if r.source == "lookup")
     assert kept >= min(24, n_copied // 2), [(r.drafted, r.accepted, r.source) for r in copying]

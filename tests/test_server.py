@@ -28,7 +28,6 @@ prom_parser = pytest.importorskip("prometheus_client.parser")
 pytest.importorskip("fastapi")
 
 import eesd_local  # noqa: E402
-from eesd_local import lossless  # noqa: E402
 
 from .conftest import QWEN05  # noqa: E402
 
@@ -175,20 +174,10 @@ def test_concurrent_clients_each_get_their_own_greedy_answer(server, engine, gre
         t.join()
     assert len(answers) == 40
     assert all(code == 200 for _, code, _ in answers), [a for a in answers if a[1] != 200]
-    # each answer is the single-request greedy one, or takes the other branch only at a certified near
-    # tie (requests share the prompt cache and lookup's drafts, so batch shapes differ from a lone run's)
+    # each answer is the single-request greedy one, byte for byte: requests share the engine's cache and
+    # lookup's drafts change the batch shapes, which exact kernels and exact cache reuse make irrelevant
     for p, _, text in answers:
-        assert _same_or_near_tie(engine, p, greedy[p], text), (p, greedy[p], text)
-
-
-def _same_or_near_tie(engine, prompt: str, want: str, got: str) -> bool:
-    if got == want:
-        return True
-    m = engine.model
-    a = m.tokenize(want, add_special=False, parse_special=False)
-    b = m.tokenize(got, add_special=False, parse_special=False)
-    div = lossless.compare(m, engine.tokenize(prompt), a, b, n_ctx=1024)
-    return div is None or div.near_tie
+        assert text == greedy[p], (p, greedy[p], text)
 
 
 def test_a_full_queue_answers_429(qwen05_path, tmp_path_factory):

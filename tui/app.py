@@ -393,6 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="eesd-chat", description="A terminal chat that shows speculative decoding live.",
                                 epilog=CLAIM)
     add_engine_args(p, positional_model=True)
+    p.set_defaults(cache_reuse="conversation")  # a chat goes on from its own turns: reuse them (engine.EngineConfig)
     p.add_argument("--temperature", "--temp", dest="temperature", type=float, default=0.0, help="temperature (0 = greedy, the default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
     p.add_argument("--system", help="system message")

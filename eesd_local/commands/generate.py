@@ -36,6 +36,7 @@ def run(args: argparse.Namespace) -> int:
         print(engine.drafter_note, file=sys.stderr)
         if args.verbose:
             print(engine.loop_note, file=sys.stderr)
+            print(exact_line(engine), file=sys.stderr)
         if args.chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
             prompt = engine.chat_tokens(messages)  # the messages' text stays text (control tokens in it too)
@@ -68,6 +69,13 @@ def run(args: argparse.Namespace) -> int:
                 print(f"eesd: the context of {engine.ctx.n_ctx} tokens is full: the answer stopped after "
                       f"{fin.stats.n_generated} of {args.max_tokens} tokens (pass a larger --n-ctx)", file=sys.stderr)
     return 0
+
+
+def exact_line(engine) -> str:
+    """What holds of this engine's greedy output, in one line."""
+    if engine.exact:
+        return f"exact: greedy output is byte-identical to plain decoding ({engine.exact_note})"
+    return f"exact: no, greedy output may leave plain decoding's at a near tie: {engine.exact_note}"
 
 
 def _read_stdin() -> str:
