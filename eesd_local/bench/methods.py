@@ -4,7 +4,9 @@ A method turns prompt tokens into a :class:`Turn`: the generated tokens and the 
 user waits for (prefill up to the first token, then the rest), plus the drafting
 figures. Our engine runs every drafter (``none`` is plain decoding through the same
 loop); the peers are llama-cpp-python's ``Llama`` in the same process, plain and with
-its ``LlamaPromptLookupDecoding``, timed the same way from outside.
+its ``LlamaPromptLookupDecoding``, timed the same way from outside, and llama.cpp's own
+``llama-server`` with each of its speculative decoding types (servers.py), timed by the
+server; ``serve:`` methods time a server (``eesd serve`` or llama-server) end to end over HTTP.
 """
 
 from __future__ import annotations
@@ -18,14 +20,17 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import EesdError
-from ..events import FinishEvent, RoundEvent, Stats, TokenEvent
+from ..events import FinishEvent, Stats, TokenEvent
 
 PEER = "llama-cpp-python"
 PEER_LOOKUP = "llama-cpp-python-lookup"
 ENGINE_DRAFTERS = ("none", "auto", "eesd", "lookup", "draft-model", "hierarchical")
+SERVER = "llama-server"
 METHOD_HELP = ("none, auto, eesd, eesd-fixed:K, lookup, draft-model, hierarchical (any drafter takes -fixed:K, or "
                f"@CONTROLLER as in eesd@beta-ts; auto, eesd, hierarchical take -copy: the exit head as a separate "
-               f"draft model, or -shared: on the shared trunk), {PEER}, {PEER_LOOKUP}[:N]")
+               f"draft model, or -shared: on the shared trunk), {PEER}, {PEER_LOOKUP}[:N], {SERVER}[:SPEC-TYPE] "
+               f"(llama.cpp's server, plain or with --spec-type SPEC-TYPE), serve:{SERVER}[:SPEC-TYPE] and "
+               "serve:eesd[:DRAFTER] (a server timed end to end over HTTP)")
 # separate draft models of the same vocabulary, by target registry name
 DEFAULT_DRAFT_MODELS = {"qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-0.5b-instruct"}
 
@@ -37,10 +42,19 @@ class MethodSpec:
     controller: str | None = None  # None: the engine's default controller
     peer_lookup: int = 0  # llama-cpp-python-lookup: num_pred_tokens (0 here: the default for the device)
     shared_trunk: bool | None = None  # NAME-copy / NAME-shared: the exit head as a separate draft model / on the shared trunk
+    server_spec: str = ""  # llama-server: its --spec-type ("" plain); serve:eesd: the drafter
+    http_server: str = ""  # serve: methods: "llama-server" or "eesd"
 
     @property
     def is_peer(self) -> bool:
-        return self.drafter == "peer"
+        """Another program than our engine in this process: never claimed exact."""
+        return self.drafter in ("peer", "server", "http")
+
+    @property
+    def family(self) -> str:
+        """Methods compared with one plain reference: ours and llama-cpp-python's (``none``), llama-server's
+        (``llama-server``), end to end over HTTP (``serve:llama-server``)."""
+        return {"server": SERVER, "http": "serve:" + SERVER}.get(self.drafter, "none")
 
     @property
     def needs_head(self) -> bool:
@@ -79,6 +93,18 @@ def _parse_one(name: str, controller: str | None) -> MethodSpec:
         return MethodSpec(name, m.group(1), f"fixed:{m.group(2)}")
     if name == PEER:
         return MethodSpec(name, "peer")
+    server, colon, kind = name.partition(":")
+    if server == SERVER:
+        if colon and not kind:
+            raise EesdError(f"method {name}: name a --spec-type after the colon, e.g. {SERVER}:ngram-mod")
+        return MethodSpec(name, "server", server_spec=kind)
+    if server == "serve":
+        which, _, kind = kind.partition(":")
+        if which not in (SERVER, "eesd"):
+            raise EesdError(f"method {name}: serve:{SERVER}[:SPEC-TYPE] or serve:eesd[:DRAFTER]")
+        if which == "eesd" and kind and kind not in ENGINE_DRAFTERS:
+            raise EesdError(f"method {name}: unknown drafter {kind!r}", hint=f"drafters: {', '.join(ENGINE_DRAFTERS)}")
+        return MethodSpec(name, "http", server_spec=kind, http_server=which)
     m = re.fullmatch(re.escape(PEER_LOOKUP) + r"(?::(\d+))?", name)
     if m:
         k = int(m.group(1) or 0)
@@ -103,8 +129,11 @@ class Turn:
     t_prefill: float  # request start -> first token (prompt processing and the first token)
     t_decode: float  # first token -> last token: everything after the prompt, drafting included
     rounds: Stats = field(default_factory=Stats)  # target verifications after the first token, drafts, acceptance
-    # (rows, emitted) of each round on a whole-model target: the batch schedule lossless.replay decodes again
-    schedule: list[tuple[int, int]] = field(default_factory=list)
+    count: int | None = None  # tokens generated, where ``tokens`` cannot say (a server timed over HTTP returns text)
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens) if self.count is None else self.count
 
 
 @dataclass(frozen=True)
@@ -121,6 +150,7 @@ class Method(Protocol):
     drafter: str  # what actually drafts, e.g. "eesd" or "hierarchical(lookup>eesd)"
     controller: str
     model_bytes: int  # weights this method loads (target + drafter)
+    exact: bool  # claims greedy output byte-identical to plain decoding
 
     def generate(self, prompt: list[int], s: Sampling) -> Turn: ...
 
@@ -135,6 +165,7 @@ class EngineMethod:
         self.engine = engine
         self.drafter = engine.drafter.name
         self.controller = "-" if spec.drafter == "none" else engine.controller.name
+        self.exact = bool(engine.exact)  # greedy output claimed byte-identical to plain decoding (runtime.exactness)
         form = engine.drafter.native()  # a draft context, if the drafter runs one, is the weights it adds
         draft = form.draft_ctx.model if form is not None and form.draft_ctx is not None else None
         self.model_bytes = int(engine.model.size_bytes) + (int(draft.size_bytes) if draft is not None else 0)
@@ -162,10 +193,8 @@ class EngineMethod:
 
     def generate(self, prompt: list[int], s: Sampling) -> Turn:
         tokens: list[int] = []
-        schedule: list[tuple[int, int]] = []
         t_first = t_last = 0.0
         fin: FinishEvent | None = None
-        whole = not hasattr(self.engine.ctx, "trunk")  # a split target's rows come from two contexts: not replayed
         t0 = time.perf_counter()
         events = self.engine.generate(prompt, max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k,
                                       top_p=s.top_p, seed=s.seed)
@@ -175,9 +204,6 @@ class EngineMethod:
                     t_last = time.perf_counter()
                     t_first = t_first or t_last
                     tokens.append(ev.token)
-                elif isinstance(ev, RoundEvent):
-                    if whole:
-                        schedule.append((ev.rows, ev.emitted))
                 elif isinstance(ev, FinishEvent):
                     fin = ev
         finally:
@@ -186,7 +212,7 @@ class EngineMethod:
         st = fin.stats
         if not tokens:
             t_first = t_last = time.perf_counter()
-        return Turn(tokens, fin.text, t_first - t0, t_last - t_first, st, schedule)
+        return Turn(tokens, fin.text, t_first - t0, t_last - t_first, st)
 
     def close(self) -> None:
         self.engine.close()
@@ -243,6 +269,7 @@ class PeerMethod:
         self.is_eog = is_eog
         self.counter = None
         self.drafter, self.controller = "llama-cpp-python", "-"
+        self.exact = False  # another program's prefill and batches: compared with ours, never claimed equal
         if spec.peer_lookup:
             # llama-cpp-python's documented advice: 10 predicted tokens on a GPU, 2 on CPU only
             k = spec.peer_lookup if spec.peer_lookup > 0 else (10 if n_gpu_layers else 2)

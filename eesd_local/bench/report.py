@@ -4,9 +4,10 @@ Rates are totals over the runs (tokens after the first / seconds after the first
 token), not means of per-prompt rates; ``speedup`` is a method's rate over ``none``'s
 on the same prompts of the same run. ``tau`` is tokens emitted per target
 verification after the first token; ``draft_cost`` is the drafter's seconds per drafted
-token relative to ``none``'s seconds per token. ``lossless`` (greedy only) is true when
-every output equals plain decoding or each mismatch is a certified near tie;
-``identical`` counts outputs equal token for token.
+token relative to ``none``'s seconds per token. ``identical`` (greedy only) counts outputs
+equal to plain decoding's token for token; ``exact`` is whether the method claims they all are
+(runtime.exactness); ``lossless`` is true when they all are where exactness is claimed, or where
+it is not, when each difference is a near tie of the target's two best logits.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ REQUIRED_KEYS = ("tokens_per_s", "speedup", "tau", "acceptance_rate", "lossless"
 
 
 def _rate(runs: list[Run]) -> tuple[int, float]:
-    n = sum(max(0, len(t.tokens) - 1) for r in runs for t in r.turns)
+    n = sum(max(0, t.n - 1) for r in runs for t in r.turns)
     secs = sum(t.t_decode for r in runs for t in r.turns)
     return n, secs
 
@@ -31,8 +32,17 @@ def _div(a: float, b: float) -> float | None:
     return a / b if b else None
 
 
-def figures(res: Results, method: str, runs: list[Run], plain: dict[tuple[str, str, int], Run]) -> dict[str, Any]:
-    """The figures of one method over ``runs`` (one category, or all of them)."""
+def _vs(runs: list[Run], ref_runs: dict[tuple[str, str, int], Run]) -> float | None:
+    """This method's rate over the reference's, on the prompts both ran."""
+    paired = [r for r in runs if (r.category, r.item, r.repeat) in ref_runs]
+    a, b = _div(*_rate(paired)), _div(*_rate([ref_runs[(r.category, r.item, r.repeat)] for r in paired]))
+    return a / b if a and b else None
+
+
+def figures(res: Results, method: str, runs: list[Run], plain: dict[tuple[str, str, int], Run],
+            servers: dict[str, dict[tuple[str, str, int], Run]] | None = None) -> dict[str, Any]:
+    """The figures of one method over ``runs`` (one category, or all of them); ``servers``: the runs of
+    plain ``llama-server`` and ``serve:llama-server`` where they ran, the references of ``vs_llama_server``."""
     info = res.methods[method]
     base = res.methods["none"]
     turns = [t for r in runs for t in r.turns]
@@ -57,12 +67,17 @@ def figures(res: Results, method: str, runs: list[Run], plain: dict[tuple[str, s
         "speedup": 1.0 if method == "none" and runs else (tps_m / tps_r if tps_m and tps_r else None),
         "tau": _div(emitted, rounds),
         "acceptance_rate": _div(accepted, drafted),
-        "lossless": (all(m["near_tie"] for m in mismatches) if runs else None) if greedy else None,
-        "identical": len(runs) - len(mismatches) if greedy else None,
+        "exact": info.exact,
+        "lossless": (not mismatches if info.exact else all(m["near_tie"] for m in mismatches)) if greedy and runs else None,
+        "identical": (len(runs) - len(mismatches) if not info.peer
+                      else sum(bool(r.same_as_plain) for r in runs) if any(r.same_as_plain is not None for r in runs)
+                      else None) if greedy else None,
+        # tokens/s over plain llama-server's on the same prompts (over serve:llama-server's for serve: methods)
+        "vs_llama_server": _vs(runs, (servers or {}).get("serve:llama-server" if method.startswith("serve:") else "llama-server", {})),
         "mismatches": mismatches,
         "n_prompts": len({(r.category, r.item) for r in runs}),
         "n_runs": len(runs),
-        "n_generated": sum(len(t.tokens) for t in turns),
+        "n_generated": sum(t.n for t in turns),
         "prefill_s": _div(sum(t.t_prefill for t in turns), len(turns)),
         "acceptance_by_position": [a / d if d else None for a, d in zip(a_at, d_at, strict=True)],
         "mean_draft_length": _div(drafted, rounds),
@@ -110,13 +125,16 @@ def _sources(fig: dict[str, Any]) -> str:
 def summarize(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
     """method -> category (plus "all" when there are several) -> figures."""
     plain = {(r.category, r.item, r.repeat): r for r in res.runs if r.method == "none"}
+    servers: dict[str, dict[tuple[str, str, int], Run]] = {
+        name: {(r.category, r.item, r.repeat): r for r in res.runs if r.method == name}
+               for name in ("llama-server", "serve:llama-server") if name in res.methods}
     cats = list(res.categories)
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for method in res.methods:
         mine = [r for r in res.runs if r.method == method]
-        out[method] = {c: figures(res, method, [r for r in mine if r.category == c], plain) for c in cats}
+        out[method] = {c: figures(res, method, [r for r in mine if r.category == c], plain, servers) for c in cats}
         if len(cats) > 1:
-            out[method][ALL] = figures(res, method, mine, plain)
+            out[method][ALL] = figures(res, method, mine, plain, servers)
     return out
 
 
@@ -146,6 +164,7 @@ def to_json(res: Results, command: str) -> dict[str, Any]:
             "runs_planned": res.n_planned,
             "peak_rss_bytes": res.peak_rss_bytes,
         },
+        "failures": dict(res.failures),
     }
 
 
@@ -156,14 +175,31 @@ def _f(x: Any, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def _lossless(fig: dict[str, Any]) -> str:
-    if fig["lossless"] is None:
+def _identical(fig: dict[str, Any]) -> str:
+    """"12/12", or where some differ "10/12 NOT EXACT" (exactness claimed) or "10/12 (2 near-tie)"."""
+    if fig["identical"] is None:
         return "-"
+    text = f"{fig['identical']}/{fig['n_runs']}"
     mm = fig["mismatches"]
-    if not mm:
-        return "yes"
-    ties = sum(m["near_tie"] for m in mm)
-    return f"{'yes' if fig['lossless'] else 'NO'} ({len(mm)} diff, {ties} near-tie)"
+    if mm:
+        text += " NOT EXACT" if fig["exact"] else f" ({sum(m['near_tie'] for m in mm)} near-tie)"
+    return text
+
+
+def exactness_failures(res: Results, summary: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """One line per method of ours whose greedy output is not byte-identical to plain decoding's, or not claimed to be."""
+    out = []
+    for method, by_cat in summary.items():
+        if method == "none" or res.config.temperature != 0 or res.methods[method].peer:
+            continue
+        f = by_cat.get(ALL) or next(iter(by_cat.values()))
+        if not res.methods[method].exact:
+            out.append(f"{method}: exactness is not claimed here")
+        elif f["mismatches"]:
+            first = f["mismatches"][0]
+            out.append(f"{method}: {len(f['mismatches'])} of {f['n_runs']} outputs differ from plain decoding "
+                       f"(first: {first['item']}, token {first['index']})")
+    return out
 
 
 def tables(res: Results, summary: dict[str, dict[str, dict[str, Any]]]) -> list[Any]:
@@ -174,16 +210,16 @@ def tables(res: Results, summary: dict[str, dict[str, dict[str, Any]]]) -> list[
     out = []
     for cat in cats:
         t = Table(title=f"{cat}", title_justify="left")
-        for col in ("method", "tok/s", "speedup", "tau", "accept", "draft len", "draft cost", "prefill s", "lossless",
+        for col in ("method", "tok/s", "speedup", "tau", "accept", "draft len", "draft cost", "prefill s", "identical to none",
                     "+MB vs none", "prompts", "drafted by (share/acc)", "projected mem-bound speedup"):
-            t.add_column(col, justify="left" if col in ("method", "lossless", "drafted by (share/acc)") else "right")
+            t.add_column(col, justify="left" if col in ("method", "identical to none", "drafted by (share/acc)") else "right")
         for method, by_cat in summary.items():
             f = by_cat.get(cat)
             if f is None or not f["n_runs"]:
                 continue
             t.add_row(method, _f(f["tokens_per_s"], ".2f"), _f(f["speedup"], ".2f"), _f(f["tau"], ".2f"),
                       _f(f["acceptance_rate"], ".0%"), _f(f["mean_draft_length"], ".2f"), _f(f["draft_cost"], ".2f"),
-                      _f(f["prefill_s"], ".2f"), _lossless(f), _f(f["memory_overhead"] / 1e6, ".0f"), str(f["n_prompts"]),
+                      _f(f["prefill_s"], ".2f"), _identical(f), _f(f["memory_overhead"] / 1e6, ".0f"), str(f["n_prompts"]),
                       _sources(f), _f(f.get("projected_memory_bound_speedup"), ".2f"))
         out.append(t)
     return out
@@ -191,11 +227,12 @@ def tables(res: Results, summary: dict[str, dict[str, dict[str, Any]]]) -> list[
 
 def markdown(res: Results, summary: dict[str, dict[str, dict[str, Any]]]) -> str:
     """The same tables as Markdown (for BENCHMARKS.md)."""
-    lines = []
+    peers = peers_markdown(res, summary)
+    lines = [peers] if peers else []
     cats = [c for c in [*res.categories, ALL] if any(c in v for v in summary.values())]
     for cat in cats:
         lines += [f"**{cat}**", "",
-                  "| method | tok/s | speedup | tau | accept | draft len | draft cost | prefill s | lossless | +MB vs none | prompts "
+                  "| method | tok/s | speedup | tau | accept | draft len | draft cost | prefill s | identical to none | +MB vs none | prompts "
                   "| drafted by (share/acc) | projected mem-bound speedup |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---:|"]
         for method, by_cat in summary.items():
@@ -204,7 +241,7 @@ def markdown(res: Results, summary: dict[str, dict[str, dict[str, Any]]]) -> str
                 continue
             lines.append(f"| {method} | {_f(f['tokens_per_s'], '.2f')} | {_f(f['speedup'], '.2f')} | {_f(f['tau'], '.2f')} | "
                          f"{_f(f['acceptance_rate'], '.0%')} | {_f(f['mean_draft_length'], '.2f')} | {_f(f['draft_cost'], '.2f')} | "
-                         f"{_f(f['prefill_s'], '.2f')} | {_lossless(f)} | {_f(f['memory_overhead'] / 1e6, '.0f')} | {f['n_prompts']} | "
+                         f"{_f(f['prefill_s'], '.2f')} | {_identical(f)} | {_f(f['memory_overhead'] / 1e6, '.0f')} | {f['n_prompts']} | "
                          f"{_sources(f)} | {_f(f.get('projected_memory_bound_speedup'), '.2f')} |")
         lines.append("")
     for name, info in res.methods.items():
@@ -213,4 +250,33 @@ def markdown(res: Results, summary: dict[str, dict[str, dict[str, Any]]]) -> str
                      f"RSS added by loading and warm-up {growth}")
     if res.peak_rss_bytes:
         lines.append(f"- process peak RSS {res.peak_rss_bytes / 1e9:.2f} GB, every method loaded in one process")
+    return "\n".join(lines) + "\n"
+
+
+def peers_rows(res: Results, summary: dict[str, dict[str, dict[str, Any]]]) -> tuple[list[str], list[list[str]]] | None:
+    """The peers table: one row per method (llama.cpp's, llama-cpp-python's, ours), one column per prompt
+    kind: tokens/s over plain llama-server's on the same prompts; then acceptance, tau, identical to its
+    plain reference (llama-server's own for its spec types, ``none`` for ours). None without llama-server."""
+    if "llama-server" not in res.methods and not any(m.startswith("llama-server") for m in res.failures):
+        return None
+    cats = [c for c in [*res.categories, ALL] if any(c in v for v in summary.values())]
+    head = ["method", *cats, "accept", "tau", "identical to plain"]
+    rows = []
+    for method, by_cat in summary.items():
+        f_all = by_cat.get(ALL) or next(iter(by_cat.values()))
+        rows.append([method, *[_f((by_cat.get(c) or {}).get("vs_llama_server"), ".2f") for c in cats],
+                     _f(f_all["acceptance_rate"], ".0%"), _f(f_all["tau"], ".2f"), _identical(f_all)])
+    for method, why in res.failures.items():
+        rows.append([method, *["-"] * len(cats), "-", "-", f"did not run: {why}"])
+    return head, rows
+
+
+def peers_markdown(res: Results, summary: dict[str, dict[str, dict[str, Any]]]) -> str:
+    got = peers_rows(res, summary)
+    if got is None:
+        return ""
+    head, rows = got
+    lines = ["**tokens/s over plain llama-server's, by prompt kind** (serve: rows over serve:llama-server's)", "",
+             "| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 2) + "|---|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines) + "\n"

@@ -3,8 +3,9 @@
 Every method is loaded into this one process and warmed up; then each prompt goes
 through method A, B, C... before the next prompt starts, so machine noise hits all
 methods alike. ``none`` (plain decoding) is always one of them: its output is the
-reference every other method's greedy output must equal, and every mismatch is
-certified (or not) as a near tie of the target's two best logits. The order of the
+reference every other method's greedy output is compared with, token for token. Where a
+method claims exactness (runtime.exactness) any difference is a failure; elsewhere each one
+is measured as the gap of the target's two best logits there (a near tie or not). The order of the
 methods rotates from prompt to prompt. Ctrl-C ends the loop; the prompts that every
 method finished stay in the results.
 """
@@ -26,6 +27,7 @@ from ..errors import EesdError
 from ..runtime import Context, ContextParams, Model, default_threads
 from .methods import EngineMethod, Method, MethodSpec, PeerMethod, Sampling, Turn, default_draft_model, parse_methods
 from .prompts import PromptItem, load_prompts
+from .servers import PeerFailed, stop_all
 
 # progress(done, total, what): done == 0 while methods load and warm up
 Progress = Callable[[int, int, str], None]
@@ -66,7 +68,6 @@ class Mismatch:
     other_token: int
     gap: float  # none's logit of its token minus that of the other's token
     near_tie: bool
-    batch: int = 0  # > 0: certified by a batch of this many tokens choosing the other token (lossless.compare)
 
 
 @dataclass
@@ -80,6 +81,7 @@ class Run:
     prompts: list[list[int]]  # prompt tokens of each turn
     turns: list[Turn]
     mismatch: Mismatch | None = None
+    same_as_plain: bool | None = None  # a peer's output equals its own plain reference's (llama-server's, say)
 
 
 @dataclass
@@ -92,6 +94,8 @@ class MethodInfo:
     # per model source: bytes its draft step reads over a target step's (the memory-bound projection)
     draft_share: dict[str, float] = field(default_factory=dict)
     trunk_share: float | None = None  # shared trunk: a trunk step without logits over a target step (timed)
+    exact: bool = False  # claims greedy output byte-identical to plain decoding
+    peer: bool = False  # another program (compared with ours, never claimed exact)
 
 
 @dataclass
@@ -107,6 +111,7 @@ class Results:
     peak_rss_bytes: int | None = None
     categories: list[str] = field(default_factory=list)
     batch_costs: dict | None = None  # weights.CostTable.to_json() of the model, measured before the prompts
+    failures: dict[str, str] = field(default_factory=dict)  # method -> why it stopped (or never started): one line
 
 
 # --- memory ---------------------------------------------------------------------------
@@ -148,6 +153,8 @@ def plan_methods(cfg: BenchConfig, model_path: Path) -> tuple[list[MethodSpec], 
     specs = parse_methods(cfg.methods, cfg.controller)
     head: str | None = None
     draft_model = cfg.draft_model
+    if any(s.server_spec == "draft-simple" for s in specs) and not draft_model:
+        draft_model = default_draft_model(model_path)  # none: that peer's row says it needs one
     if any(s.drafter == "draft-model" for s in specs) and not draft_model:
         draft_model = default_draft_model(model_path)
         if draft_model is None:
@@ -171,6 +178,16 @@ def open_method(spec: MethodSpec, cfg: BenchConfig, model_path: Path, head: str 
     from ..api import load
 
     threads = cfg.n_threads or default_threads()
+    if spec.drafter in ("server", "http"):
+        from ..registry import resolve_model
+        from .servers import HttpPeer, LlamaServerPeer
+
+        dm = resolve_model(draft_model) if draft_model else None
+        if spec.drafter == "server":
+            return LlamaServerPeer(spec, model_path, n_ctx=cfg.n_ctx, n_threads=threads, n_gpu_layers=cfg.n_gpu_layers,
+                                   draft_model=dm)
+        return HttpPeer(spec, model_path, n_ctx=cfg.n_ctx, n_threads=threads, n_gpu_layers=cfg.n_gpu_layers,
+                        draft_model=dm, draft_max=cfg.draft_max)
     if spec.is_peer:
         assert ref is not None
         return PeerMethod(spec, model_path, n_ctx=cfg.n_ctx, n_threads=threads, n_gpu_layers=cfg.n_gpu_layers,
@@ -216,25 +233,23 @@ def run_item(method: Method, item: PromptItem, ref: EngineMethod, s: Sampling, n
 
 
 def certify(ref: EngineMethod, plain: Run, other: Run, s: Sampling, n_ctx: int) -> Mismatch | None:
-    """The first divergence of ``other`` from plain decoding, with its near-tie certificate."""
+    """The first divergence of ``other`` from plain decoding, with the gap of the target's logits there."""
     model = ref.engine.model
     for t, (pa, pb, ta, tb) in enumerate(zip(plain.prompts, other.prompts, plain.turns, other.turns, strict=False)):
         if pa != pb or ta.tokens == tb.tokens:
             continue  # (prompts differ only after an earlier turn diverged, which was returned)
-        div = lossless.compare(model, pa, ta.tokens, tb.tokens, n_ctx=n_ctx, max_batch=ref.engine.config.draft_max + 1,
-                               schedule=tb.schedule)
+        div = lossless.compare(model, pa, ta.tokens, tb.tokens, n_ctx=n_ctx)
         if div is None:
             div = _stop_divergence(model, pa, ta.tokens, tb.tokens, s.max_tokens, n_ctx)
         if div is not None:
-            return Mismatch(other.item, other.repeat, t, div.index, div.plain_token, div.other_token, div.gap, div.near_tie,
-                            div.batch)
+            return Mismatch(other.item, other.repeat, t, div.index, div.plain_token, div.other_token, div.gap, div.near_tie)
     return None
 
 
 def _stop_divergence(model: Model, prompt: list[int], plain: list[int], other: list[int], max_tokens: int,
                      n_ctx: int) -> lossless.Divergence | None:
     """One output is a prefix of the other because it stopped at an end-of-generation token:
-    the divergence is that stop, certified on the plain path's logits like any other."""
+    the divergence is that stop, measured on the plain path's logits like any other."""
     i = min(len(plain), len(other))
     if max(len(plain), len(other)) <= i or i >= max_tokens:
         return None
@@ -251,6 +266,17 @@ def _stop_divergence(model: Model, prompt: list[int], plain: list[int], other: l
     a, b = (stop, other[i]) if len(plain) == i else (plain[i], stop)
     gap = float(row[a] - row[b])
     return lossless.Divergence(i, a, b, gap, abs(gap) < lossless.NEAR_TIE)
+
+
+def _same_output(run: Run, plain: Run) -> bool:
+    """A peer's answers equal its plain reference's: by tokens where both have them, else by text."""
+    for a, b in zip(run.turns, plain.turns, strict=False):
+        if (a.tokens or b.tokens) and a.count is None and b.count is None:
+            if a.tokens != b.tokens:
+                return False
+        elif a.text != b.text:
+            return False
+    return len(run.turns) == len(plain.turns)
 
 
 _EOG: dict[str, np.ndarray] = {}
@@ -295,20 +321,31 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> Results:
         for spec in specs:
             report(0, res.n_planned, f"loading {spec.name}")
             rss0 = rss_bytes()
-            m = open_method(spec, cfg, model_path, head, draft_model, ref)
+            try:
+                m = open_method(spec, cfg, model_path, head, draft_model, ref)
+            except PeerFailed as exc:  # that peer's row says why; the rest of the run goes on
+                res.failures[spec.name] = str(exc)
+                continue
             methods.append(m)
             if ref is None:
                 assert isinstance(m, EngineMethod)
                 ref = m
             if cfg.warmup_tokens > 0:
                 report(0, res.n_planned, f"warming up {spec.name}")
-                _warm_up(m, ref, cfg.warmup_tokens)
+                try:
+                    _warm_up(m, ref, cfg.warmup_tokens)
+                except PeerFailed as exc:
+                    res.failures[spec.name] = str(exc)
+                    methods.remove(m)
+                    m.close()
+                    continue
             rss1 = rss_bytes()
             growth = rss1 - rss0 if rss0 is not None and rss1 is not None else None
             if isinstance(m, EngineMethod) and items:
                 m.measure_trunk(ref.engine.tokenize(_TRUNK_TEXT))
             res.methods[spec.name] = MethodInfo(spec.name, m.drafter, m.controller, m.model_bytes, growth,
-                                                dict(getattr(m, "draft_share", {})), getattr(m, "trunk_share", None))
+                                                dict(getattr(m, "draft_share", {})), getattr(m, "trunk_share", None),
+                                                m.exact, spec.is_peer)
         assert ref is not None
         if cfg.cost_repeats > 0:
             from ..weights import COST_KS, batch_costs
@@ -326,13 +363,21 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> Results:
                 runs: dict[str, Run] = {}
                 for m in methods[shift:] + methods[:shift]:
                     report(done, res.n_planned, f"{m.spec.name} · {item.category}/{item.id}")
-                    runs[m.spec.name] = run_item(m, item, ref, s, cfg.n_ctx, rep)
+                    try:
+                        runs[m.spec.name] = run_item(m, item, ref, s, cfg.n_ctx, rep)
+                    except PeerFailed as exc:  # a peer that died or answered an error: its row ends here
+                        res.failures[m.spec.name] = str(exc)
+                        methods.remove(m)
+                        m.close()
                     done += 1
                 plain = runs["none"]
                 for m in methods:  # a prompt counts once every method has run it
                     run = runs[m.spec.name]
-                    if run is not plain and cfg.temperature == 0:
+                    fam = runs.get(m.spec.family)
+                    if run is not plain and cfg.temperature == 0 and not m.spec.is_peer:
                         run.mismatch = certify(ref, plain, run, s, cfg.n_ctx)
+                    elif fam is not None and cfg.temperature == 0:
+                        run.same_as_plain = _same_output(run, fam)
                     res.runs.append(run)
                 report(done, res.n_planned, f"{item.category}/{item.id} done")
         res.complete = True
@@ -342,6 +387,7 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> Results:
         res.peak_rss_bytes = peak_rss_bytes()
         for m in reversed(methods):
             m.close()
+        stop_all()  # whatever server a failed start or Ctrl-C left behind
     return res
 
 

@@ -16,6 +16,7 @@ from ..atomic import check_overwrite, write_text_atomic
 from ..bench.methods import METHOD_HELP
 from ..bench.prompts import BUILTIN_SETS
 from ..bench.runner import BenchConfig
+from ..bench.servers import SPEC_TYPES
 from ..defaults import DRAFT_MAX, N_CTX
 from ..errors import EesdError
 from ..registry import DEFAULT_MODEL, known_models
@@ -65,11 +66,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plots", metavar="DIR", help="write PNG plots (speedup, acceptance by position, draft length)")
     p.add_argument("--markdown", metavar="OUT.md", help="write the tables as Markdown")
     p.add_argument("--force", action="store_true", help="overwrite existing output files")
+    p.add_argument("--peers", nargs="?", const="all", metavar="TYPES",
+                   help="add llama.cpp's llama-server as peers: plain and with each --spec-type in TYPES (comma-separated; "
+                        "default all: " + ",".join(SPEC_TYPES) + "), built by `python scripts/llama_build.py tools`")
+    p.add_argument("--http", nargs="?", const="none,auto", metavar="DRAFTERS",
+                   help="add servers timed end to end over HTTP: llama-server (plain and ngram-mod) and eesd serve with "
+                        "each drafter in DRAFTERS (default none,auto)")
+    p.add_argument("--require-exact", action="store_true",
+                   help="exit 1 unless every method claims exactness and its greedy output is byte-identical to plain decoding's")
     p.set_defaults(func=run)
 
 
 def bench_config(args: argparse.Namespace) -> BenchConfig:
-    return BenchConfig(**{field: getattr(args, field) for _, field in _FLAGS})
+    cfg = BenchConfig(**{field: getattr(args, field) for _, field in _FLAGS})
+    extra = []
+    if getattr(args, "peers", None):
+        kinds = SPEC_TYPES if args.peers == "all" else [k.strip() for k in args.peers.split(",") if k.strip()]
+        extra += ["llama-server", *(f"llama-server:{k}" for k in kinds)]
+    if getattr(args, "http", None):
+        extra += ["serve:llama-server", "serve:llama-server:ngram-mod",
+                  *(f"serve:eesd:{d.strip()}" for d in args.http.split(",") if d.strip())]
+    if extra:
+        have = [m.strip() for m in cfg.methods.split(",")]
+        cfg.methods = ",".join(have + [m for m in extra if m not in have])
+    return cfg
 
 
 def command_line(cfg: BenchConfig, args: argparse.Namespace) -> str:
@@ -142,6 +162,19 @@ def run(args: argparse.Namespace) -> int:
                   "finished); the figures cover those.")
     for table in report.tables(res, summary):
         out.print(table)
+    peers = report.peers_rows(res, summary)
+    if peers is not None:
+        from rich.table import Table
+
+        head, rows = peers
+        t = Table(title="tokens/s over plain llama-server's (serve: rows over serve:llama-server's)", title_justify="left")
+        for col in head:
+            t.add_column(col, justify="left" if col in ("method", "identical to plain") else "right")
+        for row in rows:
+            t.add_row(*row)
+        out.print(t)
+    for name, why in res.failures.items():
+        err.print(f"[bold]{name}[/bold] did not run: {why}", highlight=False)
     if res.batch_costs:
         b = res.batch_costs["B"]
         out.print(f"B(k) of the model (decode of k tokens / one token, t(1) {res.batch_costs['t1_ms']:.1f} ms, median of "
@@ -166,4 +199,12 @@ def run(args: argparse.Namespace) -> int:
 
         for path in write_plots(res, summary, Path(args.plots), Path(res.model_path).stem):
             err.print(f"wrote {path}")
-    return 0 if res.complete else 130
+    if not res.complete:
+        return 130
+    if args.require_exact:
+        failures = report.exactness_failures(res, summary)
+        for line in failures:
+            err.print(f"eesd: not exact: {line}", highlight=False)
+        if failures:
+            return 1
+    return 0
