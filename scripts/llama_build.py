@@ -202,10 +202,10 @@ def tools_dir(args: list[str] | None = None) -> Path:
 
 
 def tools(python: str) -> Path:
-    """llama-server and rpc-server from the patched source, with the install's flags."""
+    """llama-server and ggml-rpc-server (llama.cpp's rpc-server) from the patched source, with the install's flags."""
     args = cmake_args()
     out = tools_dir(args)
-    bins = [out / "bin" / "llama-server", out / "bin" / "rpc-server"]
+    bins = [out / "bin" / "llama-server", out / "bin" / "ggml-rpc-server"]  # (llama.cpp's rpc-server target)
     if all(b.is_file() for b in bins):
         print(f"  llama.cpp tools: already built in {out.relative_to(ROOT)}", flush=True)
         return out
@@ -221,8 +221,8 @@ def tools(python: str) -> Path:
         sys.stdout.write(res.stdout[-4000:] + res.stderr[-4000:])
         raise BuildError("configuring the llama.cpp tools failed (cmake's messages are above)")
     jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
-    print(f"  building llama-server and rpc-server into {out.relative_to(ROOT)}", flush=True)
-    run_progress(["cmake", "--build", str(work), "--target", "llama-server", "rpc-server", "-j", jobs],
+    print(f"  building llama-server and ggml-rpc-server into {out.relative_to(ROOT)}", flush=True)
+    run_progress(["cmake", "--build", str(work), "--target", *(b.name for b in bins), "-j", jobs],
                  what="compiling llama.cpp tools")
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
