@@ -26,6 +26,7 @@ COMMAND_MODULES = [
     "eesd_local.commands.simulate",
     "eesd_local.commands.heads",
     "eesd_local.commands.bench",
+    "eesd_local.commands.rpcserver",
 ]
 
 

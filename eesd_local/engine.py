@@ -39,6 +39,7 @@ from .params import (
 )
 from .registry import resolve_model
 from .rounds import Controller, RoundLoop, round_limit
+from .rpc import parse_endpoints
 from .runtime import Context, ContextParams, Detokenizer, Model, common_prefix, exactness
 from .sampling import SamplingParams, Uniform, probs, sample
 from .trunk import open_split
@@ -68,6 +69,8 @@ class EngineConfig:
     # turns a continued conversation shares with it (eesd-chat: a turn's answer is then plain decoding's
     # of the same conversation, with the earlier answers as they were decoded)
     cache_reuse: str = "exact"
+    # HOST:PORT of llama.cpp RPC servers (eesd rpc-server) that hold the layers --n-gpu-layers offloads
+    rpc: tuple[str, ...] = ()
 
 
 class _Generation:
@@ -101,19 +104,20 @@ class Engine:
         self._cancel = False
         check_config(config)
         # greedy output byte-identical to plain decoding (runtime.exactness), and why (not)
-        self.exact, self.exact_note = exactness(draft_max=config.draft_max, n_gpu_layers=config.n_gpu_layers)
+        self.exact, self.exact_note = exactness(draft_max=config.draft_max, n_gpu_layers=config.n_gpu_layers,
+                                                rpc=bool(config.rpc))
         self._whole = 0  # leading PREFILL_CHUNK-aligned chunks the target's cache holds as a fresh prefill computes them
         self.model_path = resolve_model(config.model)
         # with the shared trunk the target's weights are the trunk's and the tail's: its own load is vocabulary only
         plan, no_split = shared_trunk_plan(config, self.model_path)
-        self.model = Model(self.model_path, n_gpu_layers=config.n_gpu_layers, vocab_only=plan is not None)
+        self.model = Model(self.model_path, n_gpu_layers=config.n_gpu_layers, vocab_only=plan is not None, rpc=config.rpc)
         self.drafter: Drafter = NoDrafter()
         self.drafter_note = ""
         self.trunk: Any = None  # the shared trunk+exit context, when the target is split
         try:
             params = ContextParams(n_ctx=config.n_ctx, n_threads=config.n_threads)
             if plan is not None:
-                self.ctx: Any = open_split(self.model, plan[0], params, n_gpu_layers=config.n_gpu_layers)
+                self.ctx: Any = open_split(self.model, plan[0], params, n_gpu_layers=config.n_gpu_layers, rpc=config.rpc)
                 self.trunk = self.ctx.trunk
             else:
                 self.ctx = Context(self.model, params)
@@ -444,6 +448,10 @@ def check_config(config: EngineConfig) -> None:
     if config.shared_trunk is not None:
         check_choice("shared_trunk", config.shared_trunk, (True, False), hint="or None for the drafter's default")
     check_choice("cache_reuse", config.cache_reuse, ("exact", "conversation"))
+    if isinstance(config.rpc, str) or not isinstance(config.rpc, list | tuple) or not all(isinstance(e, str) for e in config.rpc):
+        raise ParamError("rpc", f"rpc must be a list of HOST:PORT strings, got {show(config.rpc)}")
+    if config.rpc:
+        parse_endpoints(list(config.rpc))
 
 
 def _make_controller(spec: Any, draft_max: int, seed: int, sources: int = 1) -> Controller:

@@ -24,7 +24,7 @@ import struct
 import threading
 
 from .errors import EesdError
-from .runtime import _ggml_symbol, _init_backend
+from .ggmlapi import ggml_symbol, init_backend, rpc_failures
 
 PROTO = (7, 0)  # RPC_PROTO_MAJOR_VERSION, RPC_PROTO_MINOR_VERSION of the vendored ggml
 _HELLO = 14  # RPC_CMD_HELLO
@@ -90,7 +90,7 @@ def _recv(sock: socket.socket, n: int) -> bytes:
 
 
 def _fn(name: str, restype, argtypes) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
-    fn = _ggml_symbol(name)
+    fn = ggml_symbol(name)
     if fn is None:
         raise RpcError("this llama.cpp was built without the RPC backend",
                        hint="install with scripts/setup.sh (it builds llama-cpp-python with -DGGML_RPC=ON and the patch)")
@@ -100,11 +100,7 @@ def _fn(name: str, restype, argtypes) -> ctypes._CFuncPtr:  # type: ignore[name-
 
 def failures() -> int:
     """RPC connections that failed in this process so far (0 where none was ever made)."""
-    fn = _ggml_symbol("ggml_backend_rpc_failures")
-    if fn is None:
-        return 0
-    fn.restype = ctypes.c_int
-    return int(fn())
+    return rpc_failures()
 
 
 _added: set[str] = set()
@@ -113,8 +109,8 @@ _lock = threading.Lock()
 
 def add_servers(endpoints: list[str]) -> None:
     """Probe each server, then register it with ggml (before a model loads, so its layers can go there)."""
-    _init_backend()
-    if _ggml_symbol("ggml_backend_rpc_failures") is None:
+    init_backend()
+    if ggml_symbol("ggml_backend_rpc_failures") is None:
         raise RpcError("this llama.cpp cannot survive a lost RPC server (it lacks eesd-local's patch)",
                        hint="install with scripts/setup.sh")
     add = _fn("ggml_backend_rpc_add_server", ctypes.c_void_p, [ctypes.c_char_p])
@@ -134,7 +130,7 @@ def add_servers(endpoints: list[str]) -> None:
 
 def serve(host: str, port: int, n_threads: int, *, cache_dir: str | None = None) -> None:
     """Serve this machine's devices (its GPUs, else its CPU) to RPC clients until the process ends."""
-    _init_backend()
+    init_backend()
     start = _fn("ggml_backend_rpc_start_server", None,
                 [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p)])
     count = _fn("ggml_backend_dev_count", ctypes.c_size_t, [])

@@ -26,7 +26,9 @@ import numpy as np
 
 from . import memtune
 from .errors import ContextFullError, EesdError
+from .ggmlapi import exact_rows, ggml_symbol, init_backend, offload_devices, rpc_failures
 from .registry import check_gguf
+from .rpc import RpcError, add_servers
 
 memtune.tune()  # vocabulary-sized arrays reuse heap pages (see memtune.py)
 
@@ -83,78 +85,6 @@ def _guard_model_defaults() -> None:
 
 _guard_model_defaults()
 
-_backend_lock = threading.Lock()
-_backend_ready = False
-_log_cb: Any = None
-
-
-def _init_backend() -> None:
-    """Initialise llama.cpp once per process and silence its logging."""
-    global _backend_ready, _log_cb
-    with _backend_lock:
-        if _backend_ready:
-            return
-        if not os.environ.get("EESD_LLAMA_LOG"):
-
-            @lc.llama_log_callback
-            def _quiet(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-                return None
-
-            _log_cb = _quiet  # keep a reference: llama.cpp holds the pointer
-            lc.llama_log_set(_log_cb, ctypes.c_void_p(0))
-        lc.llama_backend_init()
-        _backend_ready = True
-
-
-def _ggml_symbol(name: str) -> Any:
-    """A C function of the ggml libraries llama-cpp-python loaded (None if none exports it)."""
-    import llama_cpp.llama_cpp as raw
-
-    base = Path(raw._base_path)
-    for lib in ("ggml-cpu", "ggml", "ggml-base", "llama"):
-        for path in (base / f"lib{lib}.so", base / f"lib{lib}.dylib", base / f"{lib}.dll"):
-            if path.exists():
-                try:
-                    fn = getattr(ctypes.CDLL(str(path)), name, None)
-                except OSError:
-                    continue
-                if fn is not None:
-                    return fn
-    return None
-
-
-@functools.cache
-def exact_rows() -> int:
-    """How many rows a decode batch may hold and stay batch-invariant on the CPU: every row's logits
-    bit-identical to the same token decoded alone (``ggml_cpu_exact_rows()``, exported by the llama.cpp
-    that scripts/llama_build.py builds with native/patches/ggml-exact-rows.patch); 0 for a build
-    without the patch."""
-    fn = _ggml_symbol("ggml_cpu_exact_rows")
-    if fn is None:
-        return 0
-    fn.restype = ctypes.c_int
-    return max(0, int(fn()))
-
-
-def offload_devices() -> list[str]:
-    """The GPU and accelerator devices llama.cpp can offload layers to (RPC servers included once added)."""
-    count, get, kind, name = (_ggml_symbol(f) for f in ("ggml_backend_dev_count", "ggml_backend_dev_get",
-                                                        "ggml_backend_dev_type", "ggml_backend_dev_name"))
-    if None in (count, get, kind, name):
-        return []
-    count.restype = ctypes.c_size_t
-    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-    kind.restype, kind.argtypes = ctypes.c_int, [ctypes.c_void_p]
-    name.restype, name.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
-    _init_backend()
-    out = []
-    for i in range(int(count())):
-        dev = get(i)
-        if kind(dev) != 0:  # GGML_BACKEND_DEVICE_TYPE_CPU
-            out.append((name(dev) or b"?").decode("utf-8", "replace"))
-    return out
-
-
 # what the engine says when greedy output is not exact, by cause
 NOT_EXACT = {
     "build": "this llama.cpp lacks eesd-local's batch-invariant patch (install with scripts/setup.sh)",
@@ -172,7 +102,7 @@ def exactness(*, draft_max: int, n_gpu_layers: int = 0, rpc: bool = False) -> tu
     type the patch does not cover."""
     rows = exact_rows()
     if rows == 0:
-        off = _ggml_symbol("ggml_cpu_exact_rows") is not None  # patched, but GGML_CPU_EXACT_ROWS=0
+        off = ggml_symbol("ggml_cpu_exact_rows") is not None  # patched, but GGML_CPU_EXACT_ROWS=0
         return False, "GGML_CPU_EXACT_ROWS=0 turned the batch-invariant kernels off" if off else NOT_EXACT["build"]
     if rpc:
         return False, NOT_EXACT["rpc"]
@@ -201,9 +131,17 @@ class Model:
     _contexts = 0  # contexts made from it and not freed yet: the model is freed after the last of them
     _close_asked = False  # close() came while contexts were alive: the last one's close frees the model
 
-    def __init__(self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, vocab_only: bool = False) -> None:
-        _init_backend()
+    def __init__(self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, vocab_only: bool = False,
+                 rpc: Sequence[str] = ()) -> None:
+        """``rpc``: HOST:PORT of RPC servers to offload layers to (with ``n_gpu_layers``, as to a GPU)."""
+        init_backend()
         self.path = check_gguf(Path(path))  # llama.cpp aborts the process on some damaged files: refuse them first
+        # RPC: the servers' devices join llama.cpp's before the load; every decode then checks that
+        # none stopped answering (llama.cpp would go on with zeros: ggml-rpc-no-abort.patch)
+        self.rpc = tuple(rpc)
+        self.rpc_lost = ""  # why an RPC server no longer answers: the model must be loaded again
+        if self.rpc:
+            add_servers(list(self.rpc))
         params = lc.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.vocab_only = vocab_only
@@ -495,7 +433,10 @@ class Context:
                 b.seq_id[i][0] = 0
                 b.logits[i] = i >= first_out
             b.n_tokens = len(chunk)
+            lost = rpc_failures() if self.model.rpc else 0
             rc = lc.llama_decode(self.ptr, b)
+            if self.model.rpc:
+                self._check_rpc(lost)
             if rc != 0:
                 # llama.cpp keeps processed ubatches on fatal errors: resynchronise our record
                 pos_max = int(lc.llama_memory_seq_pos_max(self.mem, 0))
@@ -509,6 +450,17 @@ class Context:
             self._out_base = first_out
         self._n_out = n_logits
         return n_logits
+
+    def _check_rpc(self, before: int) -> None:
+        """After a decode on an RPC model: its outputs arrived (llama.cpp copies them lazily), and no
+        server stopped answering meanwhile, else this and every later decode raises."""
+        if not self.model.rpc_lost:
+            lc.llama_synchronize(self.ptr)
+            if rpc_failures() > before:
+                self.model.rpc_lost = (f"an RPC server ({', '.join(self.model.rpc)}) stopped answering during a "
+                                       "decode: the model's layers there are gone")
+        if self.model.rpc_lost:
+            raise RpcError(self.model.rpc_lost, hint="start the server again and load the model again")
 
     def logits(self, row: int = -1) -> np.ndarray:
         """Logit row ``row`` of the last decode (negative counts from the end): a float32 view

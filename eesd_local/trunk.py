@@ -415,7 +415,7 @@ class SplitTarget:
 
 
 def open_split(model: Model, head_path: Path, params: ContextParams, *, vocab_size: int = DRAFT_VOCAB,
-               n_gpu_layers: int = 0, force: bool = False) -> SplitTarget:
+               n_gpu_layers: int = 0, force: bool = False, rpc: tuple[str, ...] = ()) -> SplitTarget:
     """The split target for ``model`` (a vocab-only load is enough) and the exit head ``head_path``,
     deriving (once) the draft vocabulary, the trunk+exit model and the tail."""
     from .heads import read_head_info
@@ -426,8 +426,8 @@ def open_split(model: Model, head_path: Path, params: ContextParams, *, vocab_si
     trunk_path = build_trunk(base_path, Path(head_path), vocab, force=force)
     tail_path = build_tail(base_path, exit_layer, force=force)
     table = EmbedTable(base_path)
-    trunk_model = Model(trunk_path, n_gpu_layers=n_gpu_layers)
-    tail_model = Model(tail_path, n_gpu_layers=n_gpu_layers)
+    trunk_model = Model(trunk_path, n_gpu_layers=n_gpu_layers, rpc=rpc)
+    tail_model = Model(tail_path, n_gpu_layers=n_gpu_layers, rpc=rpc)
     from .heads import ggufraw
 
     tail_h = ggufraw.read_header(tail_path)

@@ -199,9 +199,9 @@ def _quantize_child(src: str, dst: str, kind: str, threads: int) -> int:
     """The child's work: one llama_model_quantize call."""
     import llama_cpp as lc
 
-    from .runtime import _init_backend
+    from .ggmlapi import init_backend
 
-    _init_backend()  # silences llama.cpp's per-tensor log unless EESD_LLAMA_LOG is set
+    init_backend()  # silences llama.cpp's per-tensor log unless EESD_LLAMA_LOG is set
     params = lc.llama_model_quantize_default_params()
     # a tensor already of the target type is copied as is: q5_0 of a mostly-Q5_0 file changes only its K-quants
     params.ftype = {"q8_0": lc.LLAMA_FTYPE_MOSTLY_Q8_0, "q5_0": lc.LLAMA_FTYPE_MOSTLY_Q5_0, "q4_0": lc.LLAMA_FTYPE_MOSTLY_Q4_0}[kind]

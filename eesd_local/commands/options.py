@@ -11,12 +11,14 @@ import argparse
 
 from ..drafters import DRAFTERS
 from ..engine import EngineConfig, check_config
+from ..errors import EesdError
 from ..registry import DEFAULT_MODEL, known_models
+from ..rpc import parse_endpoints
 
 _DEFAULT = EngineConfig()
 # the EngineConfig fields that add_engine_args makes flags of (seed is the controller's, not sampling's --seed)
 ENGINE_FLAGS = ("model", "drafter", "head", "draft_model", "controller", "draft_max", "n_ctx", "n_gpu_layers", "n_threads",
-                "batch_ms", "shared_trunk", "cache_reuse")
+                "batch_ms", "shared_trunk", "cache_reuse", "rpc")
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, positional_model: bool = False) -> None:
@@ -44,10 +46,19 @@ def add_engine_args(p: argparse.ArgumentParser, *, positional_model: bool = Fals
     p.add_argument("--n-threads", "--threads", dest="n_threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--batch-ms", type=float, default=_DEFAULT.batch_ms,
                    help="native loop: milliseconds of rounds run before their tokens stream out (default %(default)s; 0: every round)")
+    p.add_argument("--rpc", type=_endpoints, default=(), metavar="HOST:PORT[,HOST:PORT...]",
+                   help="llama.cpp RPC servers (eesd rpc-server) to offload layers to, with --n-gpu-layers")
     p.add_argument("--cache-reuse", choices=("exact", "conversation"), default=_DEFAULT.cache_reuse,
                    help="what of the cache a new prompt reuses: exact (default: only what a fresh prompt computes the same "
                         "way, so an answer depends on its prompt alone) or conversation (all a continued conversation "
                         "shares with it; eesd-chat's default)")
+
+
+def _endpoints(text: str) -> tuple[str, ...]:
+    try:
+        return tuple(parse_endpoints(text))
+    except EesdError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
 
 
 def add_sampling_args(p: argparse.ArgumentParser, *, max_tokens: int = 256) -> None:

@@ -94,7 +94,7 @@ def make_drafter(config: Any, model: Model, trunk: Any = None) -> tuple[Drafter,
         return kind, f"drafter: {kind.name}"
     if kind not in DRAFTERS:
         raise EesdError(f"unknown drafter {kind!r}", hint=f"choose one of {', '.join(DRAFTERS)}")
-    common = dict(n_ctx=config.n_ctx, n_gpu_layers=config.n_gpu_layers, n_threads=config.n_threads)
+    common = dict(n_ctx=config.n_ctx, n_gpu_layers=config.n_gpu_layers, n_threads=config.n_threads, rpc=config.rpc)
     if kind == "auto":
         if config.draft_model:
             path = resolve_model(config.draft_model)

@@ -58,9 +58,9 @@ class ModelDrafter:
     """Draft token by token with a llama.cpp model sharing the target's vocabulary."""
 
     def __init__(self, path: Path, target: Model, *, name: str = "draft-model", n_ctx: int = 4096,
-                 n_gpu_layers: int = 0, n_threads: int | None = None) -> None:
+                 n_gpu_layers: int = 0, n_threads: int | None = None, rpc: tuple[str, ...] = ()) -> None:
         self.name = name
-        self.model = Model(path, n_gpu_layers=n_gpu_layers)
+        self.model = Model(path, n_gpu_layers=n_gpu_layers, rpc=rpc)
         check_same_vocab(target, self.model, "draft model" if name == "draft-model" else "draft file")
         # the draft's weights over the target's: what a token of catching up costs, roughly, against a target token
         self.weight_share = path.stat().st_size / max(1, Path(target.path).stat().st_size)

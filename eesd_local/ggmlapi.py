@@ -1,0 +1,96 @@
+"""ggml and llama.cpp calls that llama-cpp-python does not bind: backend start-up, and ggml's own
+functions (device list, the exact-rows bound of the patched CPU backend, RPC failures) looked up in
+the libraries llama-cpp-python loaded."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import llama_cpp as lc
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+_log_cb: Any = None
+
+
+def init_backend() -> None:
+    """Initialise llama.cpp once per process and silence its logging."""
+    global _backend_ready, _log_cb
+    with _backend_lock:
+        if _backend_ready:
+            return
+        if not os.environ.get("EESD_LLAMA_LOG"):
+
+            @lc.llama_log_callback
+            def _quiet(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+                return None
+
+            _log_cb = _quiet  # keep a reference: llama.cpp holds the pointer
+            lc.llama_log_set(_log_cb, ctypes.c_void_p(0))
+        lc.llama_backend_init()
+        _backend_ready = True
+
+
+def ggml_symbol(name: str) -> Any:
+    """A C function of the ggml libraries llama-cpp-python loaded (None if none exports it)."""
+    import llama_cpp.llama_cpp as raw
+
+    base = Path(raw._base_path)
+    for lib in ("ggml-cpu", "ggml", "ggml-base", "llama"):
+        for path in (base / f"lib{lib}.so", base / f"lib{lib}.dylib", base / f"{lib}.dll"):
+            if path.exists():
+                try:
+                    fn = getattr(ctypes.CDLL(str(path)), name, None)
+                except OSError:
+                    continue
+                if fn is not None:
+                    return fn
+    return None
+
+
+@functools.cache
+def exact_rows() -> int:
+    """How many rows a decode batch may hold and stay batch-invariant on the CPU: every row's logits
+    bit-identical to the same token decoded alone (``ggml_cpu_exact_rows()``, exported by the llama.cpp
+    that scripts/llama_build.py builds with native/patches/ggml-exact-rows.patch); 0 for a build
+    without the patch."""
+    fn = ggml_symbol("ggml_cpu_exact_rows")
+    if fn is None:
+        return 0
+    fn.restype = ctypes.c_int
+    return max(0, int(fn()))
+
+
+def offload_devices() -> list[str]:
+    """The GPU and accelerator devices llama.cpp can offload layers to (RPC servers included once added)."""
+    count, get, kind, name = (ggml_symbol(f) for f in ("ggml_backend_dev_count", "ggml_backend_dev_get",
+                                                        "ggml_backend_dev_type", "ggml_backend_dev_name"))
+    if None in (count, get, kind, name):
+        return []
+    count.restype = ctypes.c_size_t
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    kind.restype, kind.argtypes = ctypes.c_int, [ctypes.c_void_p]
+    name.restype, name.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+    init_backend()
+    out = []
+    for i in range(int(count())):
+        dev = get(i)
+        if kind(dev) != 0:  # GGML_BACKEND_DEVICE_TYPE_CPU
+            out.append((name(dev) or b"?").decode("utf-8", "replace"))
+    return out
+
+
+
+
+def rpc_failures() -> int:
+    """RPC connections that failed in this process (ggml-rpc-no-abort.patch); 0 where none was made."""
+    fn = ggml_symbol("ggml_backend_rpc_failures")
+    if fn is None:
+        return 0
+    fn.restype = ctypes.c_int
+    return int(fn())
