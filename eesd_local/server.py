@@ -24,7 +24,6 @@ import sys
 import threading
 import time
 import traceback
-from collections import defaultdict
 from collections.abc import AsyncIterator, Generator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -32,7 +31,8 @@ from types import FrameType
 from typing import Any, Literal, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -219,79 +219,69 @@ def _bad_request(exc: EesdError, where: str) -> ApiError:
 
 
 class Metrics:
-    """Counters behind ``GET /metrics`` (Prometheus text exposition format 0.0.4)."""
+    """The figures behind ``GET /metrics``: prometheus_client metrics in a registry of this app's own
+    (two apps in one process never share counts), exposed in Prometheus' text format."""
 
-    _PER_DRAFTER = {  # key: (metric, type, help)
-        "generations": ("eesd_generations_total", "counter", "generations run"),
-        "prompt_tokens": ("eesd_prompt_tokens_total", "counter", "prompt tokens"),
-        "completion_tokens": ("eesd_completion_tokens_total", "counter", "tokens generated"),
-        "drafted": ("eesd_drafted_tokens_total", "counter", "tokens drafted"),
-        "accepted": ("eesd_accepted_tokens_total", "counter", "drafted tokens the target accepted"),
-        "rounds": ("eesd_rounds_total", "counter", "target verifications"),
-        "seconds": ("eesd_generation_seconds_total", "counter", "wall time of generations"),
+    _PER_DRAFTER = {  # key: (metric, help)
+        "generations": ("eesd_generations", "generations run"),
+        "prompt_tokens": ("eesd_prompt_tokens", "prompt tokens"),
+        "completion_tokens": ("eesd_completion_tokens", "tokens generated"),
+        "drafted": ("eesd_drafted_tokens", "tokens drafted"),
+        "accepted": ("eesd_accepted_tokens", "drafted tokens the target accepted"),
+        "rounds": ("eesd_rounds", "target verifications"),
+        "seconds": ("eesd_generation_seconds", "wall time of generations"),
     }
 
     def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("eesd_requests", "HTTP requests to /v1 by endpoint and status code",
+                                ["endpoint", "code"], registry=r)
+        self.cancelled = Counter("eesd_requests_cancelled", "requests whose client went away, by where they were",
+                                 ["stage"], registry=r)
+        for stage in ("queued", "running"):
+            self.cancelled.labels(stage)  # reported from the start, at 0
+        self.per_drafter = {key: Counter(name, f"{help}, by drafter", ["drafter"], registry=r)
+                            for key, (name, help) in self._PER_DRAFTER.items()}
+        self._emitted = Counter("eesd_emitted_tokens", "tokens the rounds emitted, by drafter", ["drafter"], registry=r)
+        # derived gauges are read from the counters when scraped
+        self.tau = Gauge("eesd_tau", "tokens emitted per target verification, by drafter", ["drafter"], registry=r)
+        self.time_per_token = Gauge("eesd_time_per_token_seconds", "generation wall time per generated token, by drafter",
+                                    ["drafter"], registry=r)
+        self.waiting = Gauge("eesd_queue_waiting", "requests waiting for the engine", registry=r)
+        self.limit = Gauge("eesd_queue_limit", "requests that may wait (--queue)", registry=r)
         self._lock = threading.Lock()
-        self.requests: dict[tuple[str, int], int] = defaultdict(int)
-        self.cancelled: dict[str, int] = {"queued": 0, "running": 0}
-        self.by_drafter: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self._sums: dict[str, list[float]] = {}  # drafter -> [rounds, emitted, seconds, tokens] for the gauges
 
     def request(self, endpoint: str, code: int) -> None:
-        with self._lock:
-            self.requests[(endpoint, code)] += 1
+        self.requests.labels(endpoint, str(code)).inc()
 
     def cancel(self, stage: str) -> None:
-        with self._lock:
-            self.cancelled[stage] += 1
+        self.cancelled.labels(stage).inc()
 
     def generation(self, last: dict[str, Any], seconds: float) -> None:
         """Add one generation from its last chunk (``usage`` and ``speculation``)."""
         usage, spec = last["usage"], last["speculation"]
+        d = spec["drafter"]
+        values = {"generations": 1, "prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
+                  "drafted": spec["drafted"], "accepted": spec["accepted"], "rounds": spec["rounds"], "seconds": seconds}
+        emitted = round(spec["tau"] * spec["rounds"])  # tau = emitted / rounds
         with self._lock:
-            d = self.by_drafter[spec["drafter"]]
-            d["generations"] += 1
-            d["prompt_tokens"] += usage["prompt_tokens"]
-            d["completion_tokens"] += usage["completion_tokens"]
-            d["drafted"] += spec["drafted"]
-            d["accepted"] += spec["accepted"]
-            d["rounds"] += spec["rounds"]
-            d["emitted"] += round(spec["tau"] * spec["rounds"])  # tau = emitted / rounds
-            d["seconds"] += seconds
+            for key, value in values.items():
+                self.per_drafter[key].labels(d).inc(value)
+            self._emitted.labels(d).inc(emitted)
+            sums = self._sums.setdefault(d, [0.0, 0.0, 0.0, 0.0])
+            for i, v in enumerate((spec["rounds"], emitted, seconds, usage["completion_tokens"])):
+                sums[i] += v
 
-    def render(self, waiting: int, limit: int) -> str:
-        out: list[str] = []
-
-        def family(name: str, kind: str, help: str, samples: list[tuple[dict[str, str], float]]) -> None:
-            out.extend([f"# HELP {name} {help}", f"# TYPE {name} {kind}"])
-            for labels, value in samples:
-                inner = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-                out.append(f"{name}{{{inner}}} {_num(value)}" if inner else f"{name} {_num(value)}")
-
+    def render(self, waiting: int, limit: int) -> bytes:
         with self._lock:
-            family("eesd_requests_total", "counter", "HTTP requests to /v1 by endpoint and status code",
-                   [({"endpoint": e, "code": str(c)}, n) for (e, c), n in sorted(self.requests.items())])
-            family("eesd_requests_cancelled_total", "counter", "requests whose client went away, by where they were",
-                   [({"stage": s}, n) for s, n in self.cancelled.items()])
-            drafters = sorted(self.by_drafter.items())
-            for key, (name, kind, help) in self._PER_DRAFTER.items():
-                family(name, kind, f"{help}, by drafter", [({"drafter": k}, d[key]) for k, d in drafters])
-            family("eesd_tau", "gauge", "tokens emitted per target verification, by drafter",
-                   [({"drafter": k}, d["emitted"] / d["rounds"] if d["rounds"] else 0.0) for k, d in drafters])
-            family("eesd_time_per_token_seconds", "gauge", "generation wall time per generated token, by drafter",
-                   [({"drafter": k}, d["seconds"] / d["completion_tokens"] if d["completion_tokens"] else 0.0)
-                    for k, d in drafters])
-        family("eesd_queue_waiting", "gauge", "requests waiting for the engine", [({}, waiting)])
-        family("eesd_queue_limit", "gauge", "requests that may wait (--queue)", [({}, limit)])
-        return "\n".join(out) + "\n"
-
-
-def _escape(v: str) -> str:
-    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _num(v: float) -> str:
-    return str(int(v)) if float(v).is_integer() else repr(float(v))
+            for d, (rounds, emitted, seconds, tokens) in self._sums.items():
+                self.tau.labels(d).set(emitted / rounds if rounds else 0.0)
+                self.time_per_token.labels(d).set(seconds / tokens if tokens else 0.0)
+            self.waiting.set(waiting)
+            self.limit.set(limit)
+            return generate_latest(self.registry)
 
 
 # --- the engine's one thread -------------------------------------------------
@@ -518,9 +508,9 @@ def create_app(engine: Engine, *, model_id: str, aliases: tuple[str, ...] = (), 
         return {"status": "ok", "model": model_id, "waiting": state["worker"].waiting}
 
     @app.get("/metrics")
-    async def metrics_text() -> PlainTextResponse:
+    async def metrics_text() -> Response:
         worker = state["worker"]
-        return PlainTextResponse(metrics.render(worker.waiting, worker.queue_max), media_type="text/plain; version=0.0.4")
+        return Response(metrics.render(worker.waiting, worker.queue_max), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -217,7 +217,7 @@ def test_a_dropped_stream_cancels_its_generation(server, greedy):
     after = server.metrics()
     assert after[key] == before[key] + 1
     tokens = ("eesd_completion_tokens_total", (("drafter", "lookup"),))
-    assert after[tokens] - before[tokens] < 100 + N  # it stopped long before its 400 tokens
+    assert after[tokens] - before.get(tokens, 0) < 100 + N  # it stopped long before its 400 tokens
 
 
 def test_a_client_that_hangs_up_on_a_whole_answer_cancels_it(server, greedy):
@@ -230,7 +230,7 @@ def test_a_client_that_hangs_up_on_a_whole_answer_cancels_it(server, greedy):
     assert _complete(server.url, PROMPTS[6]).json()["choices"][0]["text"] == greedy[PROMPTS[6]]
     after = server.metrics()
     assert after[key] == before[key] + 1
-    assert after[tokens] - before[tokens] < 150 + N
+    assert after[tokens] - before.get(tokens, 0) < 150 + N
 
 
 BAD = [  # (body, param)
