@@ -1,8 +1,8 @@
 """Hugging Face checkpoint (config.json, safetensors, tokenizer.json) -> a GGUF llama.cpp loads.
 
-Llama- and Qwen2-family checkpoints. Tensor names come from one literal table,
-:data:`TENSOR_NAMES`, applied by one helper, :func:`gguf_tensor_name`; everything else
-reads the HF JSON files into GGUF metadata keys. An exit head saved from training in HF
+Llama- and Qwen2-family checkpoints. Tensor names come from gguf-py's TensorNameMap, limited to
+the parts of a plain decoder (:data:`SUPPORTED`, :func:`gguf_tensor_name`); everything else reads
+the HF JSON files into GGUF metadata keys. An exit head saved from training in HF
 naming (``model.layers.{N}.*`` plus optional ``model.norm`` / ``lm_head``, and a JSON with
 ``exit_layer`` and ``base_arch``) goes through the same table and is written as a head file
 (:func:`eesd_local.heads.headfile.write_head`) tied to the converted model.
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import math
 import os
@@ -40,27 +41,13 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
 }
 
-# HF tensor name -> GGUF tensor name; {bid} is the block number
-TENSOR_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-    "model.layers.{bid}.input_layernorm.weight": "blk.{bid}.attn_norm.weight",
-    "model.layers.{bid}.self_attn.q_proj.weight": "blk.{bid}.attn_q.weight",
-    "model.layers.{bid}.self_attn.q_proj.bias": "blk.{bid}.attn_q.bias",
-    "model.layers.{bid}.self_attn.k_proj.weight": "blk.{bid}.attn_k.weight",
-    "model.layers.{bid}.self_attn.k_proj.bias": "blk.{bid}.attn_k.bias",
-    "model.layers.{bid}.self_attn.v_proj.weight": "blk.{bid}.attn_v.weight",
-    "model.layers.{bid}.self_attn.v_proj.bias": "blk.{bid}.attn_v.bias",
-    "model.layers.{bid}.self_attn.o_proj.weight": "blk.{bid}.attn_output.weight",
-    "model.layers.{bid}.post_attention_layernorm.weight": "blk.{bid}.ffn_norm.weight",
-    "model.layers.{bid}.mlp.gate_proj.weight": "blk.{bid}.ffn_gate.weight",
-    "model.layers.{bid}.mlp.up_proj.weight": "blk.{bid}.ffn_up.weight",
-    "model.layers.{bid}.mlp.down_proj.weight": "blk.{bid}.ffn_down.weight",
-}
+# the GGUF tensors of a plain Llama/Qwen2 decoder: gguf-py's TensorNameMap names HF tensors for
+# every architecture it knows, and anything it maps outside this set is a part we do not convert
+SUPPORTED = {"token_embd", "output_norm", "output", "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
+             "ffn_gate", "ffn_up", "ffn_down"}
 
 # HF tensors with no GGUF counterpart (llama.cpp recomputes them)
-SKIPPED = {"model.layers.{bid}.self_attn.rotary_emb.inv_freq"}
+SKIPPED = ("rotary_emb.inv_freq",)
 
 # tensors the head file accepts besides its exit block
 HEAD_EXTRA = {"model.norm.weight": "model.norm.weight", "norm.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"}
@@ -84,19 +71,24 @@ _ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": n
 _BLOCK_RE = re.compile(r"\.(\d+)\.")
 
 
-def gguf_tensor_name(hf_name: str) -> str | None:
-    """The GGUF name of an HF tensor, None for one llama.cpp does not need; raises if unknown."""
-    match = _BLOCK_RE.search(hf_name)
-    bid = match.group(1) if match else None
-    key = hf_name if bid is None else hf_name.replace(f".{bid}.", ".{bid}.", 1)
-    if key in SKIPPED:
+@functools.cache
+def _name_map(arch: str) -> gguf.TensorNameMap:
+    # blocks are numbered in the HF name: the map is built for enough of them
+    return gguf.get_tensor_name_map({"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}[arch], 512)
+
+
+def gguf_tensor_name(hf_name: str, arch: str = "qwen2") -> str | None:
+    """The GGUF name of an HF tensor (gguf-py's TensorNameMap), None for one llama.cpp does not need;
+    raises for a tensor outside a plain decoder."""
+    if hf_name.endswith(SKIPPED):
         return None
-    if key not in TENSOR_NAMES:
+    name = _name_map(arch).get_name(hf_name, try_suffixes=(".weight", ".bias"))
+    if name is None or _BLOCK_RE.sub(".", name).replace("blk.", "").split(".")[0] not in SUPPORTED:
         raise EesdError(
             f"tensor {hf_name!r} has no GGUF name",
             hint="the checkpoint has parts this converter does not know; only plain Llama/Qwen2 decoders are supported",
         )
-    return TENSOR_NAMES[key].format(bid=bid)
+    return name
 
 
 # --- reading the checkpoint ---------------------------------------------------------
@@ -406,7 +398,7 @@ def plan_tensors(tensors: dict[str, Tensor], config: dict[str, Any], arch: str, 
     tied = config.get("tie_word_embeddings", False)
     plan = []
     for hf_name, tensor in tensors.items():
-        name = gguf_tensor_name(hf_name)
+        name = gguf_tensor_name(hf_name, arch)
         if name is None or (tied and name == "output.weight"):  # tied: llama.cpp reuses token_embd
             continue
         heads = 0
@@ -508,7 +500,7 @@ def read_head_checkpoint(head: Path, config: dict[str, Any], arch: str, base: di
             raise EesdError(f"head tensor {name!r} has shape {list(tensor.shape)}, the model's has {list(like.shape) if like else None}",
                             hint="the head does not belong to this model")
         tensors[hf_name] = tensor
-    block = {k for k in base if k.startswith(f"model.layers.{exit_layer}.") and gguf_tensor_name(k)}
+    block = {k for k in base if k.startswith(f"model.layers.{exit_layer}.") and gguf_tensor_name(k, arch)}
     if not block <= tensors.keys():
         raise EesdError(f"the head lacks {', '.join(sorted(block - tensors.keys()))}", hint="save the whole exit block")
     return HeadCheckpoint(exit_layer, tensors, meta)
