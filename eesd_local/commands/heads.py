@@ -1,18 +1,22 @@
-"""``eesd heads train|eval|build|info``: exit heads for the early-exit drafter."""
+"""``eesd heads train|eval|build|info|corpus``: exit heads for the early-exit drafter, and their teacher corpus."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 from ..errors import EesdError
+from ..heads.corpus import DEFAULT_MAX_MB, GrowConfig
 from ..heads.data import DEFAULT_MIX, DEFAULT_TRAIN_VOCAB, MIXES
-from ..interrupts import terminate_as_interrupt
+from ..interrupts import interrupt_for, terminate_as_interrupt
 from ..params import MAX_THREADS, check_int, check_number
 
 MAX_NEW = 1024  # answer tokens per prompt: the draft is run over prompt (up to 1024 tokens) + answer in 2048
+MAX_PARALLEL = 256  # sequences in one llama.cpp context; each holds max_prompt + max_new cells of KV
 
 
 def register(subparsers) -> None:
@@ -81,6 +85,37 @@ def register(subparsers) -> None:
     i = sub.add_parser("info", help="show a head's metadata")
     i.add_argument("head", type=Path)
     i.set_defaults(func=cmd_info)
+
+    _register_corpus(sub)
+
+
+def _register_corpus(sub) -> None:
+    c = sub.add_parser("corpus", help="the teacher corpus: the model's own greedy answers, kept in models/corpus/")
+    csub = c.add_subparsers(dest="corpus_command", metavar="ACTION")
+    csub.required = True
+    g = csub.add_parser(
+        "grow",
+        help="answer prompts not yet in the corpus and add the answers (resumable: Ctrl-C or kill, then run it again)",
+    )
+    g.add_argument("--model", "-m", required=True, help="registry name or GGUF path of the model that answers")
+    g.add_argument("--minutes", type=float, default=None, help="stop after this long (default: at --max-mb, or when the prompts run out)")
+    g.add_argument("--max-mb", type=float, default=DEFAULT_MAX_MB,
+                   help=f"size budget of this model's corpus in MB (default {DEFAULT_MAX_MB:g}: the two demo models' corpora stay "
+                   "under ~20 MB in git)")
+    g.add_argument("--n-parallel", type=int, default=GrowConfig.n_parallel,
+                   help=f"sequences decoded together (default {GrowConfig.n_parallel}: the most tokens/s measured, models/README.md)")
+    g.add_argument("--max-new", type=int, default=GrowConfig.max_new, help=f"answer tokens per prompt at most (default {GrowConfig.max_new})")
+    g.add_argument("--threads", type=int, default=2,
+                   help="llama.cpp threads (default 2; 1 for a run at low priority beside other work: a thread that loses "
+                   "its core stalls the other at every step of the graph)")
+    g.add_argument("--corpus", type=Path, default=None, help="corpus folder (default: models/corpus/MODEL)")
+    g.set_defaults(func=cmd_corpus_grow)
+
+    ci = csub.add_parser("info", help="what a corpus holds: shards, answers, tokens, bytes, prompts by source")
+    ci.add_argument("--model", "-m", default=None, help="registry name or GGUF path (default: every corpus in models/corpus/)")
+    ci.add_argument("--corpus", type=Path, default=None, help="corpus folder (default: models/corpus/MODEL)")
+    ci.add_argument("--json", action="store_true", help="print the figures as JSON")
+    ci.set_defaults(func=cmd_corpus_info)
 
 
 def _head_for(model_path: Path, head: Path | None) -> Path:
@@ -230,4 +265,134 @@ def cmd_info(args: argparse.Namespace) -> int:
     info = read_head_info(args.head)
     info.pop("history", None)
     print(json.dumps(info, indent=1, default=str))
+    return 0
+
+
+def _corpus_model(name: str) -> tuple[Path | None, Path]:
+    """(the model's GGUF if it is on this machine, its corpus folder): a registry model not yet downloaded
+    still has a corpus to show."""
+    from ..heads import corpus
+    from ..registry import get_spec, is_present, known_models, resolve_model
+
+    if name in known_models() and not is_present(get_spec(name)):
+        return None, corpus.corpus_dir_for(name, None)
+    path = resolve_model(name)
+    return path, corpus.corpus_dir_for(name, path)
+
+
+def _eta(seconds: float) -> str:
+    if seconds == float("inf") or seconds != seconds:
+        return "?"
+    m, s = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def cmd_corpus_grow(args: argparse.Namespace) -> int:
+    # OpenMP threads that wait by sleeping: on a machine shared with other jobs a spinning thread whose partner
+    # was preempted stalls every barrier of the graph (2 threads ran ~3x slower than 1 under load, models/README.md).
+    # libgomp reads it when llama.cpp loads, so it counts only before the first model of the process
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..heads import corpus
+
+    check_int("--n-parallel", args.n_parallel, 1, MAX_PARALLEL, hint=f"e.g. --n-parallel {GrowConfig.n_parallel}")
+    check_int("--max-new", args.max_new, 1, MAX_NEW, hint=f"e.g. --max-new {GrowConfig.max_new}")
+    check_int("--threads", args.threads, 1, MAX_THREADS, hint="e.g. --threads 2")
+    check_number("--max-mb", args.max_mb, 0.0, lo_open=True, hint=f"e.g. --max-mb {DEFAULT_MAX_MB:g}")
+    if args.minutes is not None:
+        check_number("--minutes", args.minutes, 0.0, lo_open=True, hint="e.g. --minutes 60, or leave it out to run to --max-mb")
+    model, folder = _corpus_model(args.model)
+    if model is None:  # grow needs the model itself
+        from ..registry import resolve_model
+
+        model = resolve_model(args.model)
+    folder = args.corpus or folder
+    cfg = corpus.GrowConfig(n_parallel=args.n_parallel, max_new=args.max_new, threads=args.threads)
+    max_bytes = int(args.max_mb * 1e6)
+    err = Console(stderr=True)
+    if not err.is_terminal:  # a log file: one line per report, not wrapped at 80 columns
+        err = Console(stderr=True, width=200)
+    limit = f"{args.minutes:g} min or {args.max_mb:g} MB" if args.minutes else f"{args.max_mb:g} MB"
+    err.print(f"growing {folder} with {model.name}: {cfg.n_parallel} sequences together, {cfg.threads} thread{'s' * (cfg.threads > 1)}, "
+              f"until {limit} (Ctrl-C stops it; run it again to go on)", highlight=False)
+    last_log = [time.monotonic()]
+
+    def on_skip(path: Path, why: str) -> None:
+        err.print(f"warning: corpus shard {path} skipped: {why}", highlight=False)
+
+    columns = (TextColumn("corpus"), BarColumn(), TextColumn("{task.fields[status]}"), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True) as bar:
+        task = bar.add_task("corpus", total=1.0, status="loading the model and the prompts")
+
+        def progress(d: dict) -> None:
+            bytes_rate = d["tok_s"] * d["bytes"] / max(d["corpus_tokens"], 1)
+            eta = min(d["deadline_s"], (d["max_bytes"] - d["bytes"]) / bytes_rate if bytes_rate > 0 else float("inf"))
+            done = max(d["bytes"] / d["max_bytes"], 1 - d["deadline_s"] / (args.minutes * 60) if args.minutes else 0.0)
+            status = (f"{d['corpus_tokens']:,} tokens, {d['bytes'] / 1e6:.2f}/{args.max_mb:g} MB, {d['tok_s']:.0f} tok/s, "
+                      f"{d['answers']} answers this run, ETA {_eta(eta)}" + (f" (finishing: {d['stop']})" if d["stop"] else ""))
+            bar.update(task, completed=min(done, 1.0), status=status)
+            if not err.is_terminal and time.monotonic() - last_log[0] >= 60:  # a log instead of a terminal: a line a minute
+                last_log[0] = time.monotonic()
+                err.print(time.strftime("%H:%M:%S ") + status, highlight=False)
+
+        report = corpus.grow(model, folder, cfg, minutes=args.minutes, max_bytes=max_bytes, progress=progress, on_skip=on_skip)
+    why = {
+        "max-mb": f"the size budget is reached ({report.bytes_on_disk / 1e6:.2f} MB of --max-mb {args.max_mb:g}): "
+        "raise --max-mb to grow it further",
+        "minutes": f"--minutes {args.minutes or 0:g} passed",
+        "prompts": "every prompt of the training mix is answered",
+        "interrupted": "interrupted: the finished answers are kept, the ones under way dropped; run it again to go on",
+    }.get(report.stop, report.stop)
+    rate = report.generated / report.seconds if report.seconds else 0.0
+    err.print(f"{why}\nthis run: {report.answers} answers, {report.tokens:,} tokens in {len(report.shards)} shards "
+              f"({rate:.0f} tok/s over {report.seconds / 60:.1f} min); the corpus: {report.corpus_tokens:,} tokens, "
+              f"{report.bytes_on_disk / 1e6:.2f} MB in {folder}", highlight=False)
+    if report.signum:
+        raise interrupt_for(report.signum)
+    return 0
+
+
+def cmd_corpus_info(args: argparse.Namespace) -> int:
+    from ..heads import corpus
+
+    if args.model is not None:
+        model, folder = _corpus_model(args.model)
+        targets = [(args.corpus or folder, model)]
+    elif args.corpus is not None:
+        targets = [(args.corpus, None)]
+    else:
+        root = corpus.corpus_root()
+        targets = [(d, None) for d in sorted(root.iterdir()) if d.is_dir()] if root.is_dir() else []
+        if not targets:
+            raise EesdError(f"no corpus in {root}", hint="grow one: eesd heads corpus grow --model MODEL")
+    reports = []
+    for folder, model in targets:
+        if not folder.is_dir():
+            raise EesdError(f"no corpus at {folder}", hint="grow one: eesd heads corpus grow --model MODEL")
+        stamp = corpus.ModelStamp.of(model) if model is not None else None
+        c = corpus.read_corpus(folder, model=stamp, on_skip=lambda p, why: None)  # listed below, under "skipped"
+        st = c.stats()
+        st["fingerprint_checked"] = stamp is not None
+        reports.append(st)
+    if args.json:
+        print(json.dumps(reports, indent=1))
+        return 0
+    for st in reports:
+        bpt = st["bytes"] / st["tokens"] if st["tokens"] else 0.0
+        print(st["folder"])
+        for label in st["models"]:
+            print(f"  model     {label}" + ("" if st["fingerprint_checked"] else " (not checked against a model file)"))
+        print(f"  shards    {st['shards']}" + (f", {len(st['skipped'])} skipped" if st["skipped"] else ""))
+        print(f"  answers   {st['answers']:,} ({st['finished']:,} ended by the model, the rest cut at max_new)"
+              + (f", {st['duplicates']} duplicates ignored" if st["duplicates"] else ""))
+        print(f"  tokens    {st['tokens']:,} answer tokens (their prompts: {st['prompt_tokens']:,} tokens, rebuilt, not stored)")
+        print(f"  bytes     {st['bytes']:,} ({bpt:.3f} bytes per token: {bpt:.2f} MB per 1M tokens)")
+        print("  prompts   " + ", ".join(f"{k} {v:,}" for k, v in sorted(st["sources"].items())))
+        for s in st["settings"]:
+            print("  settings  " + ", ".join(f"{k} {v}" for k, v in s.items()))
+        for line in st["skipped"]:
+            print(f"  skipped   {line}")
     return 0
