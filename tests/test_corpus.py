@@ -7,6 +7,7 @@ short answers with the real 0.5B demo model. All skip when the demo model is not
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -219,8 +220,8 @@ def test_grow_resumes_after_an_interruption(tiny, prompts, tmp_path):
 
 
 @needs_demo
-def test_cli_grow_stops_at_the_size_budget_and_info_reports(tiny, tmp_path, capsys):
-    folder = tmp_path / "c"
+def test_cli_grow_stops_at_the_size_budget_and_info_reports(tiny, capsys):
+    folder = corpus.corpus_root() / "c"
     args = ["heads", "corpus", "grow", "--model", str(tiny), "--corpus", str(folder), "--n-parallel", "2", "--max-new", "4"]
     assert main([*args, "--max-mb", "0.0001"]) == 0
     err = capsys.readouterr().err
@@ -232,6 +233,9 @@ def test_cli_grow_stops_at_the_size_budget_and_info_reports(tiny, tmp_path, caps
     assert main(["heads", "corpus", "info", "--model", str(tiny), "--corpus", str(folder)]) == 0
     out = capsys.readouterr().out
     assert "answers   2 " in out and "bytes per token" in out and ("sharegpt" in out or "code" in out)
+    assert main(["heads", "corpus", "info", "--json"]) == 0  # every corpus under models/corpus (here EESD_CORPUS)
+    (st,) = json.loads(capsys.readouterr().out)
+    assert (st["folder"], st["answers"], st["fingerprint_checked"]) == (str(folder), 2, False)
     assert main(["heads", "corpus", "grow", "--model", str(tiny), "--corpus", str(folder), "--n-parallel", "0"]) == 2
     assert "--n-parallel must be an integer from 1" in capsys.readouterr().err
 

@@ -364,8 +364,12 @@ def cmd_corpus_info(args: argparse.Namespace) -> int:
     elif args.corpus is not None:
         targets = [(args.corpus, None)]
     else:
+        from ..registry import known_models
+
         root = corpus.corpus_root()
-        targets = [(d, None) for d in sorted(root.iterdir()) if d.is_dir()] if root.is_dir() else []
+        folders = sorted(d for d in root.iterdir() if d.is_dir()) if root.is_dir() else []
+        # a registry model's corpus is checked against the model where it is downloaded
+        targets = [(d, _corpus_model(d.name)[0] if d.name in known_models() else None) for d in folders]
         if not targets:
             raise EesdError(f"no corpus in {root}", hint="grow one: eesd heads corpus grow --model MODEL")
     reports = []
