@@ -458,10 +458,33 @@ class GrowReport:
     prompt_tokens: int = 0  # prompt tokens fed
     seconds: float = 0.0
     shards: list[Path] = field(default_factory=list)
-    stop: str = ""  # "minutes", "max-mb", "prompts", "interrupted", "answers"
+    stop: str = ""  # "minutes", "max-mb", "prompts" or "interrupted"
     signum: int = 0  # the signal that stopped it (SIGINT, SIGTERM), 0 if none
     bytes_on_disk: int = 0
     corpus_tokens: int = 0  # answer tokens of the whole corpus
+
+
+def _batch(active: list[tuple[int, _Slot]], n_batch: int, chunk: int) -> tuple[list[tuple[int, int, int, bool]], list[int], int]:
+    """One decode's rows (token, pos, seq, picks a token) for the slots under way, the slots whose next token
+    the picking rows give (in row order), and the prompt tokens fed. Answering sequences come first, one row
+    each; prompt chunks fill the room left, and a prompt's last row picks its answer's first token."""
+    rows: list[tuple[int, int, int, bool]] = []
+    owners: list[int] = []
+    for s, sl in active:
+        if sl.fed == len(sl.prompt):
+            rows.append((sl.answer[-1], sl.fed + len(sl.answer) - 1, s, True))
+            owners.append(s)
+    fed = 0
+    for s, sl in active:
+        room = n_batch - len(rows)
+        if sl.fed < len(sl.prompt) and room > 0:
+            n = min(chunk, len(sl.prompt) - sl.fed, room)
+            rows.extend((sl.prompt[sl.fed + j], sl.fed + j, s, sl.fed + j == len(sl.prompt) - 1) for j in range(n))
+            sl.fed += n
+            fed += n
+            if sl.fed == len(sl.prompt):
+                owners.append(s)
+    return rows, owners, fed
 
 
 def settings_of(cfg: GrowConfig, model_path: Path) -> dict:
@@ -497,16 +520,15 @@ def grow(
     minutes: float | None = None,
     max_bytes: int = int(DEFAULT_MAX_MB * 1e6),
     items: Iterable[data.Item] | None = None,
-    max_answers: int | None = None,
     progress: Callable[[dict], None] | None = None,
     on_skip: Callable[[Path, str], None] = _warn,
 ) -> GrowReport:
     """Answer prompts not yet in the corpus at ``folder`` and add the answers as shards, until ``minutes``
-    pass, the corpus reaches ``max_bytes``, the prompts (``items``, default the training mix) run out, or
-    ``max_answers`` are written. Near a limit no new prompt is started and the answers under way are
-    finished. Ctrl-C or SIGTERM writes the finished answers, drops the ones under way and returns (``stop``
-    "interrupted", ``signum`` set: the caller raises ``interrupts.interrupt_for(signum)``); a later run
-    goes on with the prompts not yet answered."""
+    pass, the corpus reaches ``max_bytes`` or the prompts (``items``, default the training mix) run out.
+    Near a limit no new prompt is started and the answers under way are finished. Ctrl-C or SIGTERM
+    writes the finished answers, drops the ones under way and returns (``stop`` "interrupted", ``signum``
+    set: the caller raises ``interrupts.interrupt_for(signum)``); a later run goes on with the prompts
+    not yet answered."""
     cfg = cfg or GrowConfig()
     folder = Path(folder)
     stamp = ModelStamp.of(model_path)
@@ -537,7 +559,6 @@ def grow(
         finished: list[Answer] = []
         last_write = time.time()
         lengths: list[int] = []  # answer lengths so far: what an answer under way will still cost
-        exhausted = False
         t_gen = 0.0  # when the first decode started: the rate leaves the loading out
 
         def flush() -> None:
@@ -565,15 +586,10 @@ def grow(
                     report.stop = report.stop or "max-mb"
                 elif now + answer_s >= deadline:
                     report.stop = report.stop or "minutes"
-                elif max_answers is not None and report.answers + len(finished) + n_busy >= max_answers:
-                    report.stop = report.stop or "answers"
-                elif exhausted:
-                    report.stop = report.stop or "prompts"
                 for s in range(cfg.n_parallel):  # start new prompts while no limit is near
                     while slots[s] is None and not report.stop:
                         item = next(pending, None)
                         if item is None:
-                            exhausted = True
                             report.stop = "prompts"
                             break
                         prompt = runner.tokenize(render([{"role": r, "content": c} for r, c in item.messages]))
@@ -582,21 +598,8 @@ def grow(
                 active = [(s, sl) for s, sl in enumerate(slots) if sl is not None]
                 if stop["signum"] or not active or now >= deadline:
                     break
-                rows: list[tuple[int, int, int, bool]] = []
-                owners: list[int] = []
-                for s, sl in active:  # answering sequences first: one row each
-                    if sl.fed == len(sl.prompt):
-                        rows.append((sl.answer[-1], sl.fed + len(sl.answer) - 1, s, True))
-                        owners.append(s)
-                for s, sl in active:  # then prompt chunks in the room left; the last prompt row picks a token
-                    room = cfg.n_batch - len(rows)
-                    if sl.fed < len(sl.prompt) and room > 0:
-                        n = min(cfg.prompt_chunk, len(sl.prompt) - sl.fed, room)
-                        rows.extend((sl.prompt[sl.fed + j], sl.fed + j, s, sl.fed + j == len(sl.prompt) - 1) for j in range(n))
-                        sl.fed += n
-                        report.prompt_tokens += n
-                        if sl.fed == len(sl.prompt):
-                            owners.append(s)
+                rows, owners, fed = _batch(active, cfg.n_batch, cfg.prompt_chunk)
+                report.prompt_tokens += fed
                 t_gen = t_gen or time.time()
                 next_tokens = runner.decode_argmax(rows)
                 for s, tok in zip(owners, next_tokens.tolist()):
@@ -606,7 +609,8 @@ def grow(
                     report.generated += 1
                     eog = runner.is_eog(tok)
                     if eog or len(ended.answer) >= cfg.max_new:
-                        finished.append(Answer(ended.item.id, prompt_sha(ended.prompt), len(ended.prompt), np.asarray(ended.answer, np.int32), eog))
+                        answer = np.asarray(ended.answer, np.int32)
+                        finished.append(Answer(ended.item.id, prompt_sha(ended.prompt), len(ended.prompt), answer, eog))
                         lengths.append(len(ended.answer))
                         runner.clear(s)
                         slots[s] = None
