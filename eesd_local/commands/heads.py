@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -106,8 +105,9 @@ def _register_corpus(sub) -> None:
                    help=f"sequences decoded together (default {GrowConfig.n_parallel}: the most tokens/s measured, models/README.md)")
     g.add_argument("--max-new", type=int, default=GrowConfig.max_new, help=f"answer tokens per prompt at most (default {GrowConfig.max_new})")
     g.add_argument("--threads", type=int, default=2,
-                   help="llama.cpp threads (default 2; 1 for a run at low priority beside other work: a thread that loses "
-                   "its core stalls the other at every step of the graph)")
+                   help="llama.cpp threads (default 2). Beside other work use 1, or set OMP_WAIT_POLICY=PASSIVE: a waiting "
+                   "thread spins at each of the graph's barriers while its partner has lost its core (10-70x slower, "
+                   "models/README.md)")
     g.add_argument("--corpus", type=Path, default=None, help="corpus folder (default: models/corpus/MODEL)")
     g.set_defaults(func=cmd_corpus_grow)
 
@@ -289,10 +289,6 @@ def _eta(seconds: float) -> str:
 
 
 def cmd_corpus_grow(args: argparse.Namespace) -> int:
-    # OpenMP threads that wait by sleeping: on a machine shared with other jobs a spinning thread whose partner
-    # was preempted stalls every barrier of the graph (2 threads ran ~3x slower than 1 under load, models/README.md).
-    # libgomp reads it when llama.cpp loads, so it counts only before the first model of the process
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
