@@ -2,7 +2,7 @@
 
 The format tests use synthetic answers; the grow tests run llama.cpp on the tiny random qwen2 model of
 test_heads (the demo model's tokenizer, 4 blocks of width 64: it answers in a blink); one test grows two
-short answers with the real 0.5B demo model. All skip when the demo model is not in the cache.
+short answers with the real 0.5B demo model. Those skip when the demo model is not in the cache.
 """
 
 from __future__ import annotations
