@@ -54,7 +54,7 @@ from ..registry import known_models, models_dir, registry_name_for
 from . import data
 from .ggufraw import read_header
 from .headfile import fingerprint, model_info
-from .teacher import chat_formatter
+from .teacher import _quiet_logs, chat_formatter
 
 FORMAT = 1
 MAGIC = b"EESDCORP"
@@ -379,7 +379,6 @@ class Answerer:
         import llama_cpp as L  # loads libllama: imported where a model is loaded, as teacher.py does
 
         from .. import runtime  # noqa: F401 - its import makes llama.cpp's model defaults safe on AMX CPUs
-        from .teacher import _quiet_logs
 
         self.L = L
         L.llama_backend_init()
