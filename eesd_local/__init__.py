@@ -10,23 +10,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .errors import EesdError
+from eesd_local.errors import EesdError
 
 __all__ = ["EesdError", "load", "LLM", "Engine", "EngineConfig"]
 
 if TYPE_CHECKING:
-    from .api import LLM, load
-    from .engine import Engine, EngineConfig
+    from eesd_local.api import LLM, load
+    from eesd_local.spec.engine import Engine, EngineConfig
 
 
 def __getattr__(name: str) -> Any:
     # the engine pulls in llama.cpp; import it only when asked for
     if name in ("load", "LLM"):
-        from . import api
+        from eesd_local import api
 
         return getattr(api, name)
     if name in ("Engine", "EngineConfig"):
-        from . import engine
+        from eesd_local.spec import engine
 
         return getattr(engine, name)
     raise AttributeError(name)

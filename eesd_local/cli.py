@@ -15,8 +15,8 @@ import os
 import signal
 import sys
 
-from .errors import EesdError
-from .interrupts import Terminated, keep_interrupts
+from eesd_local.errors import EesdError
+from eesd_local.interrupts import Terminated, keep_interrupts
 
 COMMAND_MODULES = [
     "eesd_local.commands.models",
@@ -31,7 +31,7 @@ COMMAND_MODULES = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .lossless import CLAIM
+    from eesd_local.spec.lossless import CLAIM
 
     parser = argparse.ArgumentParser(prog="eesd", description="Lossless speculative decoding on llama.cpp.", epilog=CLAIM)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .errors import EesdError
+from eesd_local.errors import EesdError
 
 
 def eesd_home() -> Path:

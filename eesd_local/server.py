@@ -38,12 +38,12 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .api import completion
-from .controllers import DEFAULT_CONTROLLER
-from .drafters import DRAFTERS
-from .engine import Engine
-from .errors import EesdError
-from .params import ParamError, check_int, check_optional_int, check_sampling, show
+from eesd_local.api import completion
+from eesd_local.spec.controllers import DEFAULT_CONTROLLER
+from eesd_local.spec.drafters import DRAFTERS
+from eesd_local.spec.engine import Engine
+from eesd_local.errors import EesdError
+from eesd_local.params import ParamError, check_int, check_optional_int, check_sampling, show
 
 _R = TypeVar("_R", bound=BaseModel)
 QUEUE = 8  # requests that may wait while one runs; more get 429

@@ -30,7 +30,7 @@ KS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 def worker(model_path: str, threads: int) -> dict:
     import numpy as np
 
-    from eesd_local.runtime import Context, ContextParams, Model
+    from eesd_local.llama.runtime import Context, ContextParams, Model
 
     model = Model(model_path)
     ctx = Context(model, ContextParams(n_ctx=2048, n_threads=threads))

@@ -1,6 +1,6 @@
 """Exit-head data and recipe ablation: what each kind of teacher data buys per CPU-minute.
 
-For each training mix (eesd_local.heads.data.MIXES) the teacher runs the same wall-clock budget
+For each training mix (eesd_local.tools.heads.data.MIXES) the teacher runs the same wall-clock budget
 from an empty data directory of its own; then trunk states, training (same recipe) and
 `eesd heads eval` on models/eval_prompts.jsonl. Recipe variants are trained on one arm's data.
 Every stage is cached under $EESD_HOME/heads-ablation/<model fingerprint>/, so a rerun (or an
@@ -19,9 +19,11 @@ import sys
 import time
 from pathlib import Path
 
-from eesd_local.heads import data, evaluate, fingerprint, teacher, train
+from eesd_local.tools.heads import data, evaluate, teacher, train
+from eesd_local.gguf.headfile import fingerprint
 from eesd_local.paths import cache_dir
-from eesd_local.registry import models_dir, resolve_model
+from eesd_local.paths import models_dir
+from eesd_local.tools.registry import resolve_model
 
 VARIANTS = {
     "base": {},  # the default recipe: full-vocabulary sampled softmax, 3 epochs, lr 3e-4

@@ -14,7 +14,7 @@ import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from eesd_local import registry  # noqa: E402
+from eesd_local.tools import registry  # noqa: E402
 from eesd_local.paths import cache_dir  # noqa: E402
 
 MODELS = [

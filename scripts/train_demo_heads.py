@@ -21,9 +21,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eesd_local.heads import data, evaluate, fingerprint, teacher, train  # noqa: E402
+from eesd_local.tools.heads import data, evaluate, teacher, train
+from eesd_local.gguf.headfile import fingerprint  # noqa: E402
 from eesd_local.paths import cache_dir  # noqa: E402
-from eesd_local.registry import models_dir, resolve_model  # noqa: E402
+from eesd_local.paths import models_dir
+from eesd_local.tools.registry import resolve_model  # noqa: E402
 
 # model -> (exit layer, teacher settings, training settings)
 DEMO = {

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eesd_local.simulator import PROCESSES, best_fixed, simulate, throughput
+from eesd_local.tools.simulator import PROCESSES, best_fixed, simulate, throughput
 
 DRAFT_COST = 0.02  # prompt lookup: a draft costs next to nothing
 PROCESS_NAMES = ("iid-0.9", "iid-0.7", "decay")

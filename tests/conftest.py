@@ -19,7 +19,8 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # importing runtime makes llama.cpp's model defaults safe on AMX CPUs, for llama_cpp.Llama too
-from eesd_local import registry, runtime  # noqa: E402,F401
+from eesd_local.tools import registry
+from eesd_local.llama import runtime  # noqa: E402,F401
 
 QWEN05 = "qwen2.5-coder-0.5b-instruct"
 QWEN15 = "qwen2.5-coder-1.5b-instruct"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import llama_cpp
 import llama_cpp.llama_cpp as raw
 
-from eesd_local import runtime
+from eesd_local.llama import runtime
 
 AMX = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_vnni amx_bf16 amx_tile amx_int8\n"
 NO_AMX = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_vnni\n"

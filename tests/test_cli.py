@@ -147,6 +147,6 @@ def test_every_engine_option_is_a_flag():
     import dataclasses
 
     from eesd_local.commands.options import ENGINE_FLAGS
-    from eesd_local.engine import EngineConfig
+    from eesd_local.spec.engine import EngineConfig
 
     assert set(ENGINE_FLAGS) == {f.name for f in dataclasses.fields(EngineConfig)} - {"seed"}

@@ -28,11 +28,11 @@ import torch
 import transformers
 
 from eesd_local.cli import main
-from eesd_local.convert import convert
+from eesd_local.tools.convert import convert
 from eesd_local.errors import EesdError
-from eesd_local.heads.headfile import base_block_tensors, build_draft, fingerprint, head_tensors, read_head_info
+from eesd_local.gguf.headfile import base_block_tensors, build_draft, fingerprint, head_tensors, read_head_info
 from eesd_local.paths import cache_dir
-from eesd_local.registry import DEFAULT_MODEL, get_spec
+from eesd_local.llama.catalog import DEFAULT_MODEL, get_spec
 
 # real text: English prose and Python source from the standard library
 TEXT = argparse.__doc__.strip()[:600] + "\n\n" + inspect.getsource(textwrap.indent)

@@ -1,4 +1,4 @@
-"""The teacher corpus (eesd_local.heads.corpus): shard format, damage, foreign shards, concurrent readers, resume.
+"""The teacher corpus (eesd_local.tools.heads.corpus): shard format, damage, foreign shards, concurrent readers, resume.
 
 The format tests use synthetic answers; the grow tests run llama.cpp on the tiny random qwen2 model of
 test_heads (the demo model's tokenizer, 4 blocks of width 64: it answers in a blink); one test grows two
@@ -19,8 +19,8 @@ import pytest
 
 from eesd_local.cli import main
 from eesd_local.errors import EesdError
-from eesd_local.heads import corpus
-from eesd_local.heads.corpus import Answer, CorpusWarning, ModelStamp
+from eesd_local.tools.heads import corpus
+from eesd_local.tools.heads.corpus import Answer, CorpusWarning, ModelStamp
 
 from .test_heads import DEMO, needs_demo, write_tiny_model
 
@@ -242,7 +242,7 @@ def test_cli_grow_stops_at_the_size_budget_and_info_reports(tiny, capsys):
 
 @needs_demo
 def test_real_model_answers_two_prompts(prompts, tmp_path):
-    from eesd_local.heads.teacher import chat_formatter
+    from eesd_local.tools.heads.teacher import chat_formatter
 
     folder = tmp_path / "c"
     cfg = corpus.GrowConfig(n_parallel=2, max_new=8, max_prompt=2048)

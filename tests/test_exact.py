@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import eesd_local
-from eesd_local.events import FinishEvent, TokenEvent
+from eesd_local.spec.events import FinishEvent, TokenEvent
 
 from .conftest import QWEN05
 
@@ -122,7 +122,7 @@ def test_a_reused_prefix_gives_a_fresh_prompts_answer(plain):
 _PLANTED = r"""
 import json, sys
 import eesd_local
-from eesd_local.events import FinishEvent, TokenEvent
+from eesd_local.spec.events import FinishEvent, TokenEvent
 prompts = json.loads(sys.argv[1])
 out = {}
 for name, kw in (("none", dict(drafter="none")), ("spec", dict(drafter="draft-model", draft_model=sys.argv[2], controller="fixed:8"))):

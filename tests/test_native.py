@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 import eesd_local
-from eesd_local import native_round
+from eesd_local.spec import native_round
 from eesd_local.errors import EesdError
-from eesd_local.events import FinishEvent, RoundEvent, TokenEvent
-from eesd_local.rounds import round_limit
-from eesd_local.sampling import SamplingParams, TokenRNG, probs
-from eesd_local.tinygguf import write_tiny_gguf
+from eesd_local.spec.events import FinishEvent, RoundEvent, TokenEvent
+from eesd_local.spec.rounds import round_limit
+from eesd_local.spec.sampling import SamplingParams, TokenRNG, probs
+from eesd_local.gguf.tiny import write_tiny_gguf
 
 from .conftest import QWEN05
 
@@ -91,7 +91,7 @@ def test_native_equals_python_on_the_demo_model(name, monkeypatch):
 def test_probe_rounds_native_equals_python_and_plain(name, k, monkeypatch):
     """Rounds verified without the bonus (cost-ts's probes; here forced on fixed:k for every round):
     the same tokens in both loops, greedy output equal to plain decoding, rounds that end on a draft."""
-    from eesd_local.controllers import layout
+    from eesd_local.spec.controllers import layout
 
     spec = dict(DRAFTERS[name], controller=f"fixed:{k}")
     with eesd_local.load(QWEN05, n_ctx=1024, **spec) as eng:
@@ -112,7 +112,7 @@ def test_probe_rounds_native_equals_python_and_plain(name, k, monkeypatch):
 
 def test_probs_agree_with_numpy(qwen05_path):
     """Same filters, same tie rule; exp and sums may differ in the last bit (numpy's SIMD exp)."""
-    from eesd_local.runtime import Context, ContextParams, Model
+    from eesd_local.llama.runtime import Context, ContextParams, Model
 
     model = Model(qwen05_path)
     ctx = Context(model, ContextParams(n_ctx=128))
@@ -231,7 +231,7 @@ def test_fallback_and_notice(tiny, monkeypatch):
 
 
 def test_bad_input_raises_never_crashes(tiny, monkeypatch):
-    from eesd_local.controllers.cfuncs import addresses
+    from eesd_local.spec.controllers.cfuncs import addresses
 
     target, _ = tiny
     monkeypatch.setenv("EESD_NATIVE", "1")

@@ -27,10 +27,13 @@ import numpy as np
 import pytest
 
 import eesd_local
-from eesd_local import cachefile, chat, params, registry, runtime
+from eesd_local import cachefile, params
+from eesd_local.spec import chat
+from eesd_local.tools import registry
+from eesd_local.llama import runtime
 from eesd_local.errors import EesdError
-from eesd_local.heads import ggufraw
-from eesd_local.tinygguf import write_tiny_gguf
+from eesd_local.gguf import ggufraw
+from eesd_local.gguf.tiny import write_tiny_gguf
 
 from .conftest import QWEN05
 
@@ -351,7 +354,7 @@ def test_the_samples_catch_damage_the_stamp_does_not_show(tmp_path):
 
 
 def test_a_damaged_draft_vocabulary_is_computed_again(tiny, isolated_home):
-    from eesd_local.draftvocab import draft_vocab
+    from eesd_local.tools.draftvocab import draft_vocab
 
     v = draft_vocab(tiny, 300)  # the whole vocabulary: nothing to count
     path = next((isolated_home / "drafts").glob("*.npy"))
@@ -396,7 +399,7 @@ def test_a_damaged_variant_is_built_again(tiny_registry):
 
 
 NUMBA_RUN = """
-from eesd_local.controllers import make_controller
+from eesd_local.spec.controllers import make_controller
 c = make_controller("cost-ts", max_draft=8, seed=0, sources=2)
 print("ok", c.name)
 """
@@ -542,7 +545,7 @@ def _damage(path: Path, n: int, seed: int) -> None:
 def trunk_home(tmp_path_factory, qwen05_path):
     """An EESD_HOME with the demo model (a link) and its draft vocabulary (copied from the user cache, with
     a digest), so that the trunk and the tail are built there and nowhere else."""
-    from eesd_local.draftvocab import draft_vocab
+    from eesd_local.tools.draftvocab import draft_vocab
 
     vocab = draft_vocab(qwen05_path)  # the user's cache (computed once)
     home = tmp_path_factory.mktemp("trunk-home")
@@ -585,7 +588,7 @@ def test_damaged_trunk_and_tail_files_are_rebuilt(trunk_home, monkeypatch, tiny)
 
 
 def test_a_damaged_exit_head_draft_is_rebuilt(trunk_home, monkeypatch, qwen05_path):
-    from eesd_local import heads
+    from eesd_local.tools import heads
 
     monkeypatch.setenv("EESD_HOME", str(trunk_home))
     head = heads.find_head(qwen05_path)

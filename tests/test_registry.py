@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from eesd_local import registry
+from eesd_local.tools import registry
 from eesd_local.errors import EesdError
 
 # a fake model file, split into two parts: a GGUF v3 header (no tensors, no metadata), then filler

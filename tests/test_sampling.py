@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from eesd_local.runtime import Context, ContextParams, Model
-from eesd_local.sampling import SamplingParams, probs, sample, verify_greedy, verify_sampled
+from eesd_local.llama.runtime import Context, ContextParams, Model
+from eesd_local.spec.sampling import SamplingParams, probs, sample, verify_greedy, verify_sampled
 
 N_TRIALS = 6000
 V = 3000  # the maths does not depend on the vocabulary size: use the top tokens of a real row
@@ -165,7 +165,7 @@ def test_malloc_tuning_is_applied_and_can_be_turned_off():
     import subprocess
     import sys
 
-    code = "import eesd_local.runtime, eesd_local.memtune as m; print(m._done)"
+    code = "import eesd_local.llama.runtime, eesd_local.llama.memtune as m; print(m._done)"
     on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     env = {**__import__("os").environ, "EESD_MALLOC_TUNE": "0"}
     off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout.strip()

@@ -14,12 +14,13 @@ import numpy as np
 import pytest
 
 import eesd_local
-from eesd_local import heads, trunk
+from eesd_local.tools import heads
+from eesd_local.llama import trunk
 from eesd_local.errors import EesdError
-from eesd_local.events import TokenEvent
-from eesd_local.heads import ggufraw, headfile
-from eesd_local.runtime import Context, ContextParams, Model
-from eesd_local.sampling import SamplingParams, probs
+from eesd_local.spec.events import TokenEvent
+from eesd_local.gguf import ggufraw, headfile
+from eesd_local.llama.runtime import Context, ContextParams, Model
+from eesd_local.spec.sampling import SamplingParams, probs
 
 from .conftest import QWEN05
 from .test_sampling import chi2_critical, chi2_stat, run_spec

@@ -18,9 +18,9 @@ import pytest
 
 from eesd_chat.app import ChatApp, ChatOptions, main, swap_controller, swap_drafter
 from eesd_chat.widgets import SOURCE_STYLE, AnswerView, SpeculationPanel
-from eesd_local import heads
+from eesd_local.tools import heads
 from eesd_local.api import load
-from eesd_local.events import TokenEvent
+from eesd_local.spec.events import TokenEvent
 
 from .conftest import QWEN05
 from .scripted import ScriptedEngine

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from eesd_local import registry, weights
+from eesd_local.tools import registry, weights
 from eesd_local.atomic import remove_stale_temps
 from eesd_local.errors import EesdError
-from eesd_local.tinygguf import write_tiny_gguf
+from eesd_local.gguf.tiny import write_tiny_gguf
 
 from .conftest import QWEN05
 
@@ -133,8 +133,8 @@ def test_variant_loads_in_plain_llama_cpp_python(q4_home):
 
 def test_speculation_stays_exact_on_the_variant(q4_home):
     from eesd_local.api import load
-    from eesd_local.bench.prompts import load_prompts
-    from eesd_local.events import TokenEvent
+    from eesd_local.tools.bench.prompts import load_prompts
+    from eesd_local.spec.events import TokenEvent
 
     path = _variant(q4_home)
     item = load_prompts("rewrite", n_per_category=2)[0]
@@ -162,7 +162,7 @@ def _wait_for_temp(folder: Path, name: str, proc: subprocess.Popen, timeout: flo
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["ctrl-c", "term", "kill"])
 def test_interrupted_requantisation_leaves_nothing(q4_home, qwen05_path, tmp_path, sig):
     out = tmp_path / "demo.q8_0.gguf"
-    code = f"from eesd_local.weights import requantize; requantize({str(qwen05_path)!r}, {str(out)!r}, 'q8_0')"
+    code = f"from eesd_local.tools.weights import requantize; requantize({str(qwen05_path)!r}, {str(out)!r}, 'q8_0')"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.DEVNULL)
     try:

@@ -12,14 +12,14 @@ import sys
 import time
 from pathlib import Path
 
-from ..atomic import check_overwrite, write_text_atomic
-from ..bench.methods import METHOD_HELP
-from ..bench.prompts import BUILTIN_SETS
-from ..bench.runner import BenchConfig
-from ..bench.servers import SPEC_TYPES
-from ..defaults import DRAFT_MAX, N_CTX
-from ..errors import EesdError
-from ..registry import DEFAULT_MODEL, known_models
+from eesd_local.atomic import check_overwrite, write_text_atomic
+from eesd_local.tools.bench.methods import METHOD_HELP
+from eesd_local.tools.bench.prompts import BUILTIN_SETS
+from eesd_local.tools.bench.runner import BenchConfig
+from eesd_local.tools.bench.servers import SPEC_TYPES
+from eesd_local.defaults import DRAFT_MAX, N_CTX
+from eesd_local.errors import EesdError
+from eesd_local.llama.catalog import DEFAULT_MODEL, known_models
 
 # flag -> BenchConfig field (the argparse dest), in the order the command line is written back
 _FLAGS = (
@@ -110,7 +110,7 @@ def command_line(cfg: BenchConfig, args: argparse.Namespace) -> str:
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
-    from ..bench.plots import PLOTS
+    from eesd_local.tools.bench.plots import PLOTS
 
     for out in (args.json, args.markdown):
         if out:
@@ -124,9 +124,9 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    from ..bench import report
-    from ..bench.runner import run_bench
-    from .models import pull_with_progress
+    from eesd_local.tools.bench import report
+    from eesd_local.tools.bench.runner import run_bench
+    from eesd_local.commands.models import pull_with_progress
 
     cfg = bench_config(args)
     if cfg.n_prompts < 0:
@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         write_text_atomic(args.markdown, f"`{command}`\n\n" + report.markdown(res, summary))
         err.print(f"wrote {args.markdown}")
     if args.plots and res.runs:
-        from ..bench.plots import write_plots
+        from eesd_local.tools.bench.plots import write_plots
 
         for path in write_plots(res, summary, Path(args.plots), Path(res.model_path).stem):
             err.print(f"wrote {path}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..convert import OUTTYPES, convert, default_head_out
+from eesd_local.tools.convert import OUTTYPES, convert, default_head_out
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

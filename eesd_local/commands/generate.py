@@ -7,11 +7,11 @@ import contextlib
 import signal
 import sys
 
-from ..api import load
-from ..errors import EesdError
-from ..events import FinishEvent, TokenEvent
-from ..params import check_sampling
-from .options import add_engine_args, add_sampling_args, engine_config
+from eesd_local.api import load
+from eesd_local.errors import EesdError
+from eesd_local.spec.events import FinishEvent, TokenEvent
+from eesd_local.params import check_sampling
+from eesd_local.commands.options import add_engine_args, add_sampling_args, engine_config
 
 
 def register(sub: argparse._SubParsersAction) -> None:

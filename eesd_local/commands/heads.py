@@ -8,11 +8,11 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import EesdError
-from ..heads.corpus import DEFAULT_MAX_MB, GrowConfig
-from ..heads.data import DEFAULT_MIX, DEFAULT_TRAIN_VOCAB, MIXES
-from ..interrupts import interrupt_for, terminate_as_interrupt
-from ..params import MAX_THREADS, check_int, check_number
+from eesd_local.errors import EesdError
+from eesd_local.tools.heads.corpus import DEFAULT_MAX_MB, GrowConfig
+from eesd_local.tools.heads.data import DEFAULT_MIX, DEFAULT_TRAIN_VOCAB, MIXES
+from eesd_local.interrupts import interrupt_for, terminate_as_interrupt
+from eesd_local.params import MAX_THREADS, check_int, check_number
 
 MAX_NEW = 1024  # answer tokens per prompt: the draft is run over prompt (up to 1024 tokens) + answer in 2048
 MAX_PARALLEL = 256  # sequences in one llama.cpp context; each holds max_prompt + max_new cells of KV
@@ -119,7 +119,7 @@ def _register_corpus(sub) -> None:
 
 
 def _head_for(model_path: Path, head: Path | None) -> Path:
-    from ..heads import find_head
+    from eesd_local.gguf.headfile import find_head
 
     if head is not None:
         return head
@@ -135,11 +135,12 @@ def _head_for(model_path: Path, head: Path | None) -> Path:
 def cmd_train(args: argparse.Namespace) -> int:
     import time
 
-    from ..atomic import check_overwrite
-    from ..heads import data, fingerprint, teacher, train
-    from ..heads.headfile import check_exit_layer, model_info
-    from ..paths import cache_dir
-    from ..registry import resolve_model
+    from eesd_local.atomic import check_overwrite
+    from eesd_local.tools.heads import data, teacher, train
+    from eesd_local.gguf.headfile import fingerprint
+    from eesd_local.gguf.headfile import check_exit_layer, model_info
+    from eesd_local.paths import cache_dir
+    from eesd_local.tools.registry import resolve_model
 
     t_start = time.time()
     deadline = t_start + args.minutes * 60
@@ -219,8 +220,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from ..heads import evaluate
-    from ..registry import models_dir, resolve_model
+    from eesd_local.tools.heads import evaluate
+    from eesd_local.paths import models_dir
+    from eesd_local.tools.registry import resolve_model
 
     check_int("--max-new", args.max_new, 1, MAX_NEW, hint="answer tokens per prompt, e.g. --max-new 128")
     check_int("--threads", args.threads, 1, MAX_THREADS, hint="e.g. --threads 2")
@@ -251,8 +253,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from ..heads import build_draft
-    from ..registry import resolve_model
+    from eesd_local.gguf.headfile import build_draft
+    from eesd_local.tools.registry import resolve_model
 
     model = resolve_model(args.model)
     print(build_draft(model, _head_for(model, args.head), force=args.force))
@@ -260,7 +262,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from ..heads import read_head_info
+    from eesd_local.gguf.headfile import read_head_info
 
     info = read_head_info(args.head)
     info.pop("history", None)
@@ -271,8 +273,9 @@ def cmd_info(args: argparse.Namespace) -> int:
 def _corpus_model(name: str) -> tuple[Path | None, Path]:
     """(the model's GGUF if it is on this machine, its corpus folder): a registry model not yet downloaded
     still has a corpus to show."""
-    from ..heads import corpus
-    from ..registry import get_spec, is_present, known_models, resolve_model
+    from eesd_local.tools.heads import corpus
+    from eesd_local.llama.catalog import get_spec, is_present, known_models
+    from eesd_local.tools.registry import resolve_model
 
     if name in known_models() and not is_present(get_spec(name)):
         return None, corpus.corpus_dir_for(name, None)
@@ -292,7 +295,7 @@ def cmd_corpus_grow(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..heads import corpus
+    from eesd_local.tools.heads import corpus
 
     check_int("--n-parallel", args.n_parallel, 1, MAX_PARALLEL, hint=f"e.g. --n-parallel {GrowConfig.n_parallel}")
     check_int("--max-new", args.max_new, 1, MAX_NEW, hint=f"e.g. --max-new {GrowConfig.max_new}")
@@ -302,7 +305,7 @@ def cmd_corpus_grow(args: argparse.Namespace) -> int:
         check_number("--minutes", args.minutes, 0.0, lo_open=True, hint="e.g. --minutes 60, or leave it out to run to --max-mb")
     model, folder = _corpus_model(args.model)
     if model is None:  # grow needs the model itself
-        from ..registry import resolve_model
+        from eesd_local.tools.registry import resolve_model
 
         model = resolve_model(args.model)
     folder = args.corpus or folder
@@ -352,7 +355,7 @@ def cmd_corpus_grow(args: argparse.Namespace) -> int:
 
 
 def cmd_corpus_info(args: argparse.Namespace) -> int:
-    from ..heads import corpus
+    from eesd_local.tools.heads import corpus
 
     if args.model is not None:
         model, folder = _corpus_model(args.model)
@@ -360,7 +363,7 @@ def cmd_corpus_info(args: argparse.Namespace) -> int:
     elif args.corpus is not None:
         targets = [(args.corpus, None)]
     else:
-        from ..registry import known_models
+        from eesd_local.llama.catalog import known_models
 
         root = corpus.corpus_root()
         folders = sorted(d for d in root.iterdir() if d.is_dir()) if root.is_dir() else []

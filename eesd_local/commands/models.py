@@ -10,10 +10,10 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from .. import registry
-from ..errors import EesdError
-from ..params import MAX_THREADS, check_int, check_optional_int
-from ..weights import VARIANTS
+from eesd_local.tools import registry
+from eesd_local.errors import EesdError
+from eesd_local.params import MAX_THREADS, check_int, check_optional_int
+from eesd_local.llama.catalog import VARIANTS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -114,8 +114,8 @@ def run_path(args: argparse.Namespace) -> int:
 def run_costs(args: argparse.Namespace) -> int:
     import json
 
-    from ..atomic import check_overwrite, write_text_atomic
-    from ..weights import MAX_COST_K, batch_costs
+    from eesd_local.atomic import check_overwrite, write_text_atomic
+    from eesd_local.tools.weights import MAX_COST_K, batch_costs
 
     check_int("--max-k", args.max_k, 1, MAX_COST_K, hint="measure batches up to the longest draft, e.g. --max-k 16")
     check_int("--repeats", args.repeats, 1, hint="e.g. --repeats 12")
@@ -154,9 +154,10 @@ def run_requant(args: argparse.Namespace) -> int:
     import json
     import time
 
-    from ..atomic import check_overwrite, write_text_atomic
-    from ..paths import cache_dir
-    from ..weights import quality, requantize, tensor_types, variant_path
+    from eesd_local.atomic import check_overwrite, write_text_atomic
+    from eesd_local.paths import cache_dir
+    from eesd_local.tools.weights import quality, requantize, tensor_types
+    from eesd_local.llama.catalog import variant_path
 
     check_optional_int("--threads", args.threads, 1, MAX_THREADS, hint="leave it out to use every core")
     if args.json:  # checked before the work, not after it

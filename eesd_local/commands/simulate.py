@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from ..defaults import DRAFT_MAX
-from ..errors import EesdError
-from ..simulate_sources import SOURCE_PROCESSES
-from ..simulate_sources import table as sources_table
-from ..simulator import PROCESSES, PROFILES, TABLE_CONTROLLERS, decision_cost, table
+from eesd_local.defaults import DRAFT_MAX
+from eesd_local.errors import EesdError
+from eesd_local.tools.simulate_sources import SOURCE_PROCESSES
+from eesd_local.tools.simulate_sources import table as sources_table
+from eesd_local.tools.simulator import PROCESSES, PROFILES, TABLE_CONTROLLERS, decision_cost, table
 
 
 def _names(text: str) -> list[str]:

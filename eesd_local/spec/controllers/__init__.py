@@ -1,0 +1,301 @@
+"""Draft-length controllers: how many tokens to draft in each speculative round.
+
+The engine asks ``draft_more(step, confidence)`` before every draft step and reports
+each round's outcome to ``end_round``. Every controller is one float64 state array plus
+three Numba kernels (:mod:`.kernels`): a compiled decision costs 0.05-0.3 us (about 1 us
+with the call from Python), and the native loop calls the same compiled code as cfuncs. Same spec
+and seed, same decisions, compiled or not.
+
+Specs: ``beta-ts``, ``calibration-ts``, ``cost-ts`` (Thompson sampling, see
+:mod:`.thompson`), ``beta-ts:paper`` and ``calibration-ts:paper`` (the EESD paper's
+Bernoulli rule, for comparison), ``fixed:K``, ``pmin:P`` (llama.cpp's p_min, default
+0.75) and ``heuristic`` (+2 when all drafts were accepted, -1 otherwise).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from eesd_local.defaults import DRAFT_MAX
+from eesd_local.errors import EesdError
+from eesd_local.spec.controllers.jitcache import install as _install_jit_cache
+
+_install_jit_cache()  # before any kernel module compiles: see jitcache.py
+
+from eesd_local.spec.controllers import layout as L  # noqa: E402
+from eesd_local.spec.controllers.baselines import HEURISTIC_START  # noqa: E402
+from eesd_local.spec.controllers.kernels import controller_begin, controller_decide, controller_hindsight, controller_new_request, controller_update
+from eesd_local.spec.controllers.rng import seed_words  # noqa: E402
+from eesd_local.spec.controllers.thompson import BIN_PRIOR, DRAFT_MARGIN, POS_PRIOR, bin_prior_mean, ts_use_hindsight  # noqa: E402
+
+CONTROLLER_CHOICES = ["cost-ts", "beta-ts", "calibration-ts", "fixed:K", "pmin:P", "heuristic"]
+# cost-ts: >= 0.98 of the best fixed k in hindsight on every process and cost profile of `eesd simulate`
+# (beta-ts and calibration-ts match it on the flat GPU profiles but fall to 0.56-0.89 on the CPU profiles: BENCHMARKS.md)
+DEFAULT_CONTROLLER = "cost-ts"
+DEFAULT_PMIN = 0.75  # llama.cpp's default p_min for greedy speculative decoding
+TS_EPS = 0.01  # exploration budget: a closed gate spends about this share of the time on one-token probes
+TS_FORGET = 0.99  # theta_1 keeps ~100 rounds of evidence: it follows a change of regime in ~40-170 rounds (simulator)
+
+_THOMPSON = {
+    # name: (rule, use_bins, batch_costs, margin)
+    "beta-ts": (0, 0, 0, 0.0),
+    "calibration-ts": (0, 1, 0, 0.0),
+    "cost-ts": (0, 1, 1, DRAFT_MARGIN),
+    "cost-ts:no-hindsight": (0, 1, 1, DRAFT_MARGIN),  # prompt lookup learned from its drafts only (before issue 16's hindsight)
+    "cost-ts:no-margin": (0, 1, 1, 0.0),  # a model source drafts at break-even (before issue 15's margin; lookup's too)
+    "beta-ts:paper": (1, 0, 0, 0.0),
+    "calibration-ts:paper": (1, 1, 0, 0.0),
+}
+
+
+class Controller:
+    """A draft-length controller: a spec name and the state its kernels update in place."""
+
+    def __init__(self, name: str, state: np.ndarray) -> None:
+        self.name = name
+        self.max_draft = int(state[L.MAX_DRAFT])
+        self.state = state
+        self.hindsight_allowed = not name.endswith(":no-hindsight")
+
+    def begin_request(self) -> None:
+        """A new request: acceptance evidence from earlier ones is thinned (thompson.ts_new_request)."""
+        controller_new_request(self.state)
+
+    def prime_resume(self, seconds_per_token: float) -> None:
+        """A first guess of what catching a draft model up costs per token, until it has been
+        measured (the engine takes the target's prefill time per token times the draft's share of
+        the weights): so the first probe of a model far behind is not taken as free."""
+        s = self.state
+        states = [_source_state(s, i) for i in range(int(s[L.N_SRC]))] if s[L.KIND] == L.MULTI else [s]
+        for st in states:
+            if st[L.KIND] == L.THOMPSON and st[L.N_RESUME] == 0.0 and seconds_per_token > 0.0:
+                st[L.RESUME] = seconds_per_token
+
+    def begin_round(self, offer: int = 0, confidence: float = 0.0, behind: int = 0, match: int = 0) -> None:
+        """A round starts. What the loop knows before it: ``offer`` free proposals (prompt lookup's
+        continuation) with this ``confidence`` (0: unknown) after a context that matches their source
+        over ``match`` tokens, and ``behind``, the tokens a draft model would catch up on before drafting."""
+        s = self.state
+        s[L.OFFER_N] = offer
+        s[L.OFFER_CONF] = confidence
+        s[L.OFFER_MATCH] = match
+        s[L.BEHIND] = behind
+        s[L.T_CATCHUP] = 0.0
+        controller_begin(s)
+
+    def source(self) -> int:
+        """Which source drafts this round (L.SRC_LOOKUP, L.SRC_MODEL, L.SRC_NONE; L.SRC_ANY: the
+        controller does not choose, the drafter takes its default)."""
+        return int(self.state[L.SOURCE])
+
+    def draft_more(self, step: int, confidence: float) -> bool:
+        """Draft token number step+1? step = tokens drafted so far this round; confidence = the
+        drafter's probability of the token it just drafted (1.0 at step 0)."""
+        return controller_decide(self.state, step, confidence) != 0
+
+    def no_bonus(self) -> bool:
+        """Verify this round's drafts without the bonus token (a probe: the batch is [last, d1..d(k-1)])."""
+        return bool(self.state[L.NO_BONUS] != 0.0)
+
+    def end_round(self, confidences: np.ndarray, n_accepted: int, t_draft: float, t_verify: float,
+                  t_catchup: float = 0.0) -> None:
+        """After verification: one confidence per drafted token, the accepted prefix length,
+        seconds spent drafting this round (``t_catchup`` of them a draft model's catching up on
+        tokens it missed), seconds of the target's decode of n_drafted+1 tokens."""
+        confidences = np.ascontiguousarray(confidences, dtype=np.float64)
+        self.state[L.T_CATCHUP] = t_catchup
+        controller_update(self.state, confidences, int(n_accepted), float(t_draft - t_catchup), float(t_verify))
+
+    def learn_in_hindsight(self, on: bool = True) -> bool:
+        """Whether the round loop reports every free offer in hindsight (:meth:`hindsight`): prompt
+        lookup's acceptance is then learned from all of them, by match length, rather than from its
+        drafts (thompson.ts_hindsight). The loop asks at every request with ``on`` = its drafter has
+        free offers; returns whether this controller now learns so (a cost-aware Thompson state, or a
+        multi-source state's lookup source). Turning it off restores the confidence bins' prior."""
+        s = self.state
+        if not self.hindsight_allowed:
+            return False
+        if s[L.KIND] == L.MULTI:
+            st = _source_state(s, L.SRC_LOOKUP)
+        elif s[L.KIND] == L.THOMPSON and s[L.RULE] == 0.0 and s[L.BATCH_COSTS] != 0.0:
+            st = s
+        else:
+            return False
+        if on and st[L.HINDSIGHT] == 0.0:
+            ts_use_hindsight(st)
+        elif not on and st[L.HINDSIGHT] != 0.0:
+            st[L.HINDSIGHT] = 0.0
+            _bins_prior(st)
+        return on
+
+    def hindsight(self, match: int, n_offered: int, n_matched: int) -> None:
+        """A free offer of n_offered tokens at match length ``match`` of which the target went on to
+        emit the first n_matched."""
+        controller_hindsight(self.state, int(match), int(n_offered), int(n_matched))
+
+    def belief(self) -> dict[str, float]:
+        """Posterior of the acceptance rate (all positions pooled) and the running draft length."""
+        s = self.state
+        a, b = s[L.ALL_A], s[L.ALL_B]
+        mean = a / (a + b)
+        sd = math.sqrt(a * b / ((a + b) ** 2 * (a + b + 1.0)))
+        out = {
+            "mean": float(mean),
+            "lo": float(max(0.0, mean - 1.645 * sd)),  # normal approximation of the 5% / 95% quantiles
+            "hi": float(min(1.0, mean + 1.645 * sd)),
+            "expected_k": float(s[L.EMA_DRAFTED]),
+            "expected_accepted": float(s[L.EMA_ACCEPTED]),
+            "tau": float(s[L.EMA_ACCEPTED] + 1.0),
+            "draft_ms": float(1e3 * s[L.EMA_T_DRAFT]),
+            "verify_ms": float(1e3 * s[L.EMA_T_VERIFY]),
+            "rounds": float(s[L.ROUNDS]),
+        }
+        kind = s[L.KIND]
+        if kind == L.MULTI:
+            out["source"] = float(s[L.SOURCE])
+            for i, name in enumerate(SOURCE_NAMES[: int(s[L.N_SRC])]):
+                sub = _source_state(s, i)
+                a1, b1 = sub[L.POS0], sub[L.POS0 + 1]
+                out[f"{name}_theta_1"] = float(a1 / (a1 + b1))
+                out[f"{name}_rounds"] = float(sub[L.ROUNDS])
+                out[f"{name}_tau"] = float(sub[L.EMA_ACCEPTED] + 1.0)
+        if kind == L.HEURISTIC:
+            out["k"] = float(s[L.PARAM])
+        if kind == L.THOMPSON and s[L.RULE] == 0.0:
+            k = self.max_draft
+            out["theta_1"] = float(s[L.POS0] / (s[L.POS0] + s[L.POS0 + 1]))
+            out["target_tok_s"] = float(s[L.LAMBDA])
+            if s[L.BATCH_COSTS] != 0.0:
+                ve = L.ve0(k)
+                if s[ve] > 0.0:
+                    out["draft_cost_ratio"] = float(s[L.EMA_T_DRAFT] / s[ve])
+                    out["verify_cost_ratio_max"] = float(s[ve + k] / s[ve])
+        return out
+
+    def state_dict(self) -> dict:
+        s = self.state
+        out: dict = {"name": self.name, "kind": int(s[L.KIND]), "max_draft": self.max_draft, "rounds": int(s[L.ROUNDS])}
+        out["pooled_alpha_beta"] = (float(s[L.ALL_A]), float(s[L.ALL_B]))
+        if s[L.KIND] == L.THOMPSON:
+            k = self.max_draft
+            out["positions_alpha_beta_predicted"] = s[L.POS0 : L.vc0(k)].reshape(k, L.POS_WIDTH).tolist()
+            out["bins_alpha_beta_predicted"] = s[L.BIN0 : L.POS0].reshape(L.N_BINS, L.BIN_WIDTH).tolist()
+            # (mean, count) per batch size: seconds for a batch of one, the ratio to it for larger batches
+            out["verify_mean_count"] = s[L.vc0(k) : L.ve0(k)].reshape(k + 1, 2).tolist()
+            out["verify_estimate"] = s[L.ve0(k) : L.th0(k)].tolist()
+            out["draft_seconds_per_token"] = float(s[L.EMA_T_DRAFT])
+        elif s[L.KIND] != L.THOMPSON:
+            out["param"] = float(s[L.PARAM])
+        return out
+
+    def __repr__(self) -> str:
+        return f"Controller({self.name!r}, max_draft={self.max_draft})"
+
+
+def _new_state(size: int, kind: int, max_draft: int, seed: int) -> np.ndarray:
+    state = np.zeros(size, dtype=np.float64)
+    state[L.KIND] = kind
+    state[L.MAX_DRAFT] = max_draft
+    state[L.RNG : L.RNG + 4] = seed_words(seed)
+    state[L.ALL_A] = 1.0
+    state[L.ALL_B] = 1.0
+    state[L.SOURCE] = L.SRC_ANY
+    return state
+
+
+SOURCE_NAMES = ("lookup", "model")  # as L.SRC_LOOKUP, L.SRC_MODEL number them
+
+
+def _source_state(state: np.ndarray, s: int) -> np.ndarray:
+    size = int(L.thompson_size(int(state[L.MAX_DRAFT])))
+    at = L.MULTI_HEAD + s * size
+    return state[at : at + size]
+
+
+def _bins_prior(state: np.ndarray) -> None:
+    for j in range(L.N_BINS):
+        m = bin_prior_mean(j)
+        b = L.BIN0 + L.BIN_WIDTH * j
+        state[b : b + 3] = BIN_PRIOR * m, BIN_PRIOR * (1.0 - m), BIN_PRIOR * m  # prior: as the positions predict
+
+
+def _bad_spec(spec: str, why: str) -> EesdError:
+    return EesdError(
+        f"unknown controller {spec!r}: {why}",
+        hint="use one of " + ", ".join(CONTROLLER_CHOICES) + " (e.g. fixed:4, pmin:0.75)",
+    )
+
+
+def make_controller(spec: str, *, max_draft: int = DRAFT_MAX, seed: int = 0, eps: float = TS_EPS, forget: float = TS_FORGET,
+                    sources: int = 1) -> Controller:
+    """A fresh controller from its spec; raises EesdError on a bad spec. ``sources`` > 1: a
+    Thompson spec becomes a multi-source controller (one state per source, see multi.py) that
+    chooses each round which source drafts; baseline rules leave the choice to the drafter."""
+    if not isinstance(max_draft, int) or max_draft < 1:
+        raise EesdError(f"max_draft must be a positive integer, got {max_draft!r}", hint="e.g. --draft-max 8")
+    if sources not in range(1, L.MAX_SRC + 1):
+        raise EesdError(f"a controller takes 1 to {L.MAX_SRC} sources, not {sources!r}")
+    name, _, arg = spec.strip().lower().partition(":")
+    if name in ("beta-ts", "calibration-ts", "cost-ts") and sources > 1:
+        # one whole Thompson state per source, behind a header of its own (multi.py)
+        size = int(L.thompson_size(max_draft))
+        subs = [make_controller(spec, max_draft=max_draft, seed=seed + 7919 * (i + 1), eps=eps, forget=forget)
+                for i in range(sources)]
+        state = _new_state(L.MULTI_HEAD + sources * size, L.MULTI, max_draft, seed)
+        state[L.N_SRC] = sources
+        for i, sub in enumerate(subs):
+            state[L.SRC_OFS + i] = L.MULTI_HEAD + i * size
+            state[L.MULTI_HEAD + i * size : L.MULTI_HEAD + (i + 1) * size] = sub.state
+        return Controller(subs[0].name, state)
+    if name in ("beta-ts", "calibration-ts", "cost-ts"):
+        key = name if not arg else f"{name}:{arg}"
+        if key not in _THOMPSON:
+            raise _bad_spec(spec, f"{name} takes no argument other than 'paper'" + (", 'no-hindsight' or 'no-margin'" if name == "cost-ts" else ""))
+        rule, bins, batch, margin = _THOMPSON[key]
+        state = _new_state(int(L.thompson_size(max_draft)), L.THOMPSON, max_draft, seed)
+        state[L.RULE] = rule
+        state[L.USE_BINS] = bins
+        state[L.BATCH_COSTS] = batch
+        state[L.MARGIN] = margin
+        state[L.EPS] = eps
+        state[L.FORGET] = forget
+        state[L.POS0 : L.POS0 + 3] = 1.0  # Beta(1, 1) at position 1
+        state[L.POS0 + L.POS_WIDTH : L.vc0(max_draft)] = POS_PRIOR / 2.0  # odds ratio 1 (r = alpha) deeper
+        state[L.REQ_SEEN] = 1e9  # no request warm-up until a request begins (begin_request)
+        _bins_prior(state)
+        return Controller(key, state)
+    if name == "fixed":
+        try:
+            k = int(arg)
+        except ValueError:
+            raise _bad_spec(spec, "fixed needs a draft length, as in fixed:4") from None
+        if not 0 <= k <= max_draft:
+            raise _bad_spec(spec, f"the draft length must be within 0..max_draft={max_draft}")
+        state = _new_state(L.BASELINE_SIZE, L.FIXED, max_draft, seed)
+        state[L.PARAM] = k
+        return Controller(f"fixed:{k}", state)
+    if name == "pmin":
+        try:
+            p = float(arg) if arg else DEFAULT_PMIN
+        except ValueError:
+            raise _bad_spec(spec, "pmin needs a probability, as in pmin:0.75") from None
+        if not 0.0 <= p <= 1.0:
+            raise _bad_spec(spec, "p_min must be within 0..1")
+        state = _new_state(L.BASELINE_SIZE, L.PMIN, max_draft, seed)
+        state[L.PARAM] = p
+        return Controller(f"pmin:{p:g}", state)
+    if name == "heuristic" and not arg:
+        state = _new_state(L.BASELINE_SIZE, L.HEURISTIC, max_draft, seed)
+        state[L.PARAM] = min(HEURISTIC_START, max_draft)
+        return Controller("heuristic", state)
+    raise _bad_spec(spec, "not a known controller")
+
+
+__all__ = [
+    "CONTROLLER_CHOICES",
+    "DEFAULT_CONTROLLER",
+    "Controller",
+    "make_controller",
+]

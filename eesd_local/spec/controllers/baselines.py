@@ -1,0 +1,43 @@
+"""Baseline draft-length rules: fixed k, llama.cpp's p_min, and the +2/-1 heuristic."""
+
+from __future__ import annotations
+
+from numba import njit
+
+from eesd_local.spec.controllers.layout import MAX_DRAFT, PARAM
+
+HEURISTIC_START = 5.0  # transformers' assistant starts at num_assistant_tokens = 5
+
+
+@njit(cache=True)
+def fixed_decide(state, step, confidence):
+    return 1 if step < min(state[PARAM], state[MAX_DRAFT]) else 0
+
+
+@njit(cache=True)
+def pmin_decide(state, step, confidence):
+    """llama.cpp's speculative p_min: stop once the drafter's probability of its last token < p_min.
+
+    llama.cpp checks the candidate before keeping it; here the doubtful token is already
+    drafted and goes to verification, and drafting stops after it.
+    """
+    if step >= state[MAX_DRAFT]:
+        return 0
+    return 1 if step == 0 or confidence >= state[PARAM] else 0
+
+
+@njit(cache=True)
+def heuristic_decide(state, step, confidence):
+    return 1 if step < min(int(state[PARAM]), state[MAX_DRAFT]) else 0
+
+
+@njit(cache=True)
+def heuristic_update(state, confidences, n_accepted):
+    """transformers' heuristic schedule: K += 2 when the whole draft was accepted, else K -= 1 (K >= 1)."""
+    n = confidences.shape[0]
+    k = state[PARAM]
+    if n > 0 and n_accepted >= n and n >= int(k):
+        k += 2.0
+    else:
+        k -= 1.0
+    state[PARAM] = min(max(k, 1.0), state[MAX_DRAFT])

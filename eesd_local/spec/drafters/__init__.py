@@ -1,0 +1,131 @@
+"""Drafters: each a short module behind the protocol in :mod:`.base`.
+
+``make_drafter`` turns the engine's configuration into a drafter and a one-line note
+saying which one runs and why (``auto`` holds prompt lookup and, when an exit head is known
+for the model or a draft model is given, that model drafter: the controller picks per round).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from eesd_local.errors import EesdError
+from eesd_local.tools.registry import resolve_model
+from eesd_local.spec.drafters.auto import AutoDrafter
+from eesd_local.spec.drafters.base import Drafter, NoDrafter, Offer, Proposal
+from eesd_local.spec.drafters.lookup import LookupDrafter
+
+if TYPE_CHECKING:
+    from eesd_local.llama.runtime import Model
+
+DRAFTERS = ["auto", "none", "eesd", "lookup", "draft-model", "hierarchical"]
+
+__all__ = ["DRAFTERS", "AutoDrafter", "Drafter", "NoDrafter", "Offer", "Proposal", "LookupDrafter", "make_drafter",
+           "n_sources", "shared_trunk_plan"]
+
+
+def n_sources(drafter: Any) -> int:
+    """How many sources the controller chooses between (1: it only sizes the drafts)."""
+    return int(getattr(drafter, "n_sources", 1))
+
+
+def _eesd_draft_path(config: Any, model: Model, required: bool) -> Any:
+    """The draft GGUF (target's first N layers + exit head), or None when no head is known."""
+    from eesd_local.tools import heads
+
+    if config.head:
+        head = resolve_head(config.head)
+    else:
+        head = heads.find_head(model.path)
+        if head is None:
+            if required:
+                raise EesdError(
+                    f"no exit head is known for {model.path.name}",
+                    hint="train one with `eesd heads train`, pass --head HEAD.gguf, or use --drafter lookup",
+                )
+            return None
+    return heads.build_draft(model.path, head)
+
+
+def resolve_head(spec: str) -> Any:
+    from pathlib import Path
+
+    from eesd_local.gguf.check import check_gguf
+
+    return check_gguf(Path(spec).expanduser(), what="head")
+
+
+def shared_trunk_plan(config: Any, model_path: Any) -> tuple[tuple[Any, int] | None, str]:
+    """((exit head GGUF, exit layer), "") when the engine should run the target split around the
+    exit head's trunk (:mod:`..trunk`): a drafter that uses the exit head, a head made for this
+    model, a supported architecture and the native capture; else (None, why not) and one
+    full-model context (the head, if any, then runs as a separate draft model)."""
+    from eesd_local.tools import heads
+    from eesd_local.gguf.headfile import check_head_for
+    from eesd_local.spec.native_round import _load
+    from eesd_local.llama.trunk import SPLIT_ARCHS
+
+    kind = config.drafter
+    wanted = getattr(config, "shared_trunk", None)
+    if wanted is None:  # the default: where the exit head drafts every round it may (see EngineConfig.shared_trunk)
+        wanted = kind in ("eesd", "hierarchical")
+    if not wanted or not isinstance(kind, str) or config.draft_model:
+        return None, ""
+    if kind not in ("auto", "eesd", "hierarchical"):
+        return None, ""
+    head = resolve_head(config.head) if config.head else heads.find_head(model_path)
+    if head is None:
+        return None, ""
+    info, _ = check_head_for(model_path, head)  # a head for another model: its own clear error
+    if info["arch"] not in SPLIT_ARCHS:
+        return None, f"no shared trunk for {info['arch']} models (it runs {' and '.join(SPLIT_ARCHS)})"
+    if _load()[0] is None:
+        return None, "no shared trunk without the native extension"  # the capture is in C++
+    return (head, int(info["exit_layer"])), ""
+
+
+def make_drafter(config: Any, model: Model, trunk: Any = None) -> tuple[Drafter, str]:
+    """``trunk``: the shared trunk+exit context of a split target; the exit head then drafts on it."""
+    from eesd_local.spec.drafters.hierarchical import HierarchicalDrafter
+    from eesd_local.spec.drafters.model import ModelDrafter
+
+    kind = config.drafter
+    if not isinstance(kind, str):  # a drafter object (anything with the Drafter protocol's methods)
+        return kind, f"drafter: {kind.name}"
+    if kind not in DRAFTERS:
+        raise EesdError(f"unknown drafter {kind!r}", hint=f"choose one of {', '.join(DRAFTERS)}")
+    common = dict(n_ctx=config.n_ctx, n_gpu_layers=config.n_gpu_layers, n_threads=config.n_threads, rpc=config.rpc)
+    if kind == "auto":
+        if config.draft_model:
+            path = resolve_model(config.draft_model)
+            inner = ModelDrafter(path, model, name="draft-model", **common)
+            return AutoDrafter(inner), f"drafter: auto (lookup or the draft model {path.name}, chosen per round)"
+        if trunk is not None:
+            return AutoDrafter(ModelDrafter.on_trunk(trunk)), "drafter: auto (lookup or the exit head, chosen per round; shared trunk)"
+        draft = _eesd_draft_path(config, model, required=False)
+        if draft is None:
+            return AutoDrafter(), "drafter: auto (lookup; no exit head is known for this model)"
+        inner = ModelDrafter(draft, model, name="eesd", **common)
+        return AutoDrafter(inner), "drafter: auto (lookup or the exit head, chosen per round)"
+    if kind == "none":
+        return NoDrafter(), "drafter: none (plain decoding)"
+    if kind == "lookup":
+        return LookupDrafter(), "drafter: lookup"
+    if kind == "eesd" and trunk is not None:
+        return ModelDrafter.on_trunk(trunk), "drafter: eesd (shared trunk)"
+    if kind == "eesd":
+        return ModelDrafter(_eesd_draft_path(config, model, required=True), model, name="eesd", **common), "drafter: eesd"
+    if kind == "draft-model":
+        if not config.draft_model:
+            raise EesdError("--drafter draft-model needs --draft-model M", hint="e.g. --draft-model qwen2.5-coder-0.5b-instruct")
+        path = resolve_model(config.draft_model)
+        return ModelDrafter(path, model, name="draft-model", **common), f"drafter: draft-model ({path.name})"
+    # hierarchical: lookup guesses checked by the eesd draft (or the draft model when given)
+    if config.draft_model:
+        inner = ModelDrafter(resolve_model(config.draft_model), model, name="draft-model", **common)
+    elif trunk is not None:
+        inner = ModelDrafter.on_trunk(trunk)
+    else:
+        inner = ModelDrafter(_eesd_draft_path(config, model, required=True), model, name="eesd", **common)
+    d = HierarchicalDrafter(inner)
+    return d, f"drafter: {d.name}"

@@ -1,0 +1,111 @@
+"""The drafter protocol: begin with the prompt, propose tokens, say how the native loop drafts.
+
+A drafter never touches the target. ``propose`` asks ``want_more(step, confidence)``
+(the controller) before each token and stops when it says no, so a round where the
+controller wants nothing costs the drafter nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+import numpy as np
+
+from eesd_local.spec.sampling import SamplingParams, Uniform
+
+if TYPE_CHECKING:
+    from eesd_local.llama.runtime import Context
+
+# want_more(step, confidence): step = tokens drafted so far this round, confidence =
+# the drafter's probability of the token it just drafted (1.0 before the first)
+WantMore = Callable[[int, float], bool]
+
+
+# which source drafts a round, as the controller numbers them (controllers/layout.py SRC_*)
+SRC_ANY, SRC_NONE, SRC_LOOKUP, SRC_MODEL = -2, -1, 0, 1
+
+
+class Offer(NamedTuple):
+    """What a drafter knows before a round, at no cost: the controller plans with it."""
+
+    n: int = 0  # free proposals on offer (prompt lookup's continuation length)
+    confidence: float = 0.0  # their confidence (0: unknown)
+    behind: int = 0  # tokens a draft model would catch up on before its first draft
+    tokens: tuple[int, ...] = ()  # the free proposals themselves (for learning from them in hindsight)
+    match: int = 0  # how many tokens before them match their source (lookup: at least the n-gram, up to MATCH_CAP)
+
+
+@dataclass
+class Proposal:
+    tokens: list[int] = field(default_factory=list)
+    probs: list[np.ndarray | None] = field(default_factory=list)  # q per token; None = point mass (deterministic)
+    confidences: list[float] = field(default_factory=list)  # q(d) of each drafted token
+    source: str = ""  # the source that drafted them ("lookup", "eesd", ...)
+    t_catchup: float = 0.0  # seconds a draft model spent catching up before drafting (part of the draft time)
+
+    def add(self, token: int, q: np.ndarray | None, confidence: float) -> None:
+        self.tokens.append(token)
+        self.probs.append(q)
+        self.confidences.append(confidence)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(frozen=True)
+class NativeSpec:
+    """How the native round loop drafts what :meth:`Drafter.propose` would: with ``draft_ctx``
+    token by token (its guesses, if any, from ``lookup``), else from ``lookup`` alone, else nothing;
+    with ``choose``, each round from the source the controller picks.
+    The C++ side has one propose function per form; a drafter without a native form runs in
+    the Python loop."""
+
+    draft_ctx: Context | None = None  # a llama.cpp context drafting token by token
+    lookup: tuple[int, int] | None = None  # (ngram_min, ngram_max) of a prompt lookup over the history
+    choose: bool = False  # the controller picks the source each round: lookup alone, or draft_ctx alone
+
+
+class Drafter(Protocol):
+    name: str
+
+    def begin(self, prompt: list[int]) -> None:
+        """A new request whose history starts with ``prompt``."""
+
+    def propose(self, history: list[int], want_more: WantMore, max_n: int, params: SamplingParams,
+                rng: Uniform) -> Proposal:
+        """Up to ``max_n`` tokens continuing ``history`` (which ends with the last emitted token).
+        Optional: ``offer(history, max_n) -> Offer``, what a round could have for free before the
+        controller begins it; a drafter with ``n_sources`` > 1 also takes ``source=`` (the one the
+        controller picked: SRC_LOOKUP, SRC_MODEL, SRC_NONE, or SRC_ANY). A drafter whose offers are
+        its proposals (``Offer.tokens``, prompt lookup) sets ``free_offers = True``: the round loops
+        then report each offer to the controller in hindsight (rounds.Hindsight)."""
+
+    def native(self) -> NativeSpec | None:
+        """The native loop's form of this drafter, or None to run it in the Python loop."""
+
+    def close(self) -> None:
+        """Free what the drafter holds."""
+
+
+class NoDrafter:
+    """Plain decoding through the same loop: proposes nothing, costs nothing."""
+
+    name = "none"
+
+    def begin(self, prompt: list[int]) -> None:
+        pass
+
+    def offer(self, history: list[int], max_n: int) -> Offer:
+        return Offer()
+
+    def propose(self, history: list[int], want_more: WantMore, max_n: int, params: SamplingParams,
+                rng: Uniform, source: int = SRC_ANY) -> Proposal:
+        return Proposal()
+
+    def native(self) -> NativeSpec:
+        return NativeSpec()
+
+    def close(self) -> None:
+        pass

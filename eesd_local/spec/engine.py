@@ -1,0 +1,451 @@
+"""The speculative engine: one round loop over any drafter, exact verification.
+
+Each round the controller decides how far to draft, the drafter proposes d1..dk,
+the target decodes [last, d1..dk] in ONE llama_decode, the accepted prefix plus one
+target token is emitted, and the target's KV cache is trimmed past it. Greedy
+output equals plain decoding; sampling keeps the target's distribution exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from eesd_local.spec import chat as chat_mod
+from eesd_local.spec import native_round
+from eesd_local.defaults import BATCH_MS, DRAFT_MAX, N_CTX, PREFILL_CHUNK
+from eesd_local.spec.drafters import DRAFTERS, make_drafter, n_sources, shared_trunk_plan
+from eesd_local.spec.drafters.base import Drafter, NoDrafter
+from eesd_local.errors import EesdError
+from eesd_local.spec.events import Event, FinishEvent, RoundEvent, Stats, TokenEvent
+from eesd_local.params import MAX_THREADS, SEED_MAX, SEED_MIN, ParamError, check_choice, check_int, check_number, check_optional_int, check_sampling, show
+from eesd_local.tools.registry import resolve_model
+from eesd_local.spec.rounds import Controller, RoundLoop, round_limit
+from eesd_local.llama.rpc import parse_endpoints
+from eesd_local.llama.runtime import Context, ContextParams, Detokenizer, Model, common_prefix, exactness
+from eesd_local.spec.sampling import SamplingParams, Uniform, probs, sample
+from eesd_local.llama.trunk import open_split
+
+MAX_BATCH_MS = 3_600_000.0
+
+
+@dataclass
+class EngineConfig:
+    model: str = "qwen2.5-coder-0.5b-instruct"
+    drafter: Any = "auto"  # auto | none | eesd | lookup | draft-model | hierarchical, or a Drafter object
+    head: str | None = None  # exit-head GGUF for eesd (default: the shipped head for the model)
+    draft_model: str | None = None  # GGUF or registry name for draft-model
+    controller: Any = None  # a Controller, a spec like "cost-ts" / "fixed:4", or None for the default
+    draft_max: int = DRAFT_MAX
+    n_ctx: int = N_CTX
+    n_gpu_layers: int = 0
+    n_threads: int | None = None
+    seed: int = 0  # the controller's seed
+    batch_ms: float = BATCH_MS  # native loop: run rounds this long before Python takes them; 0 = one at a time
+    # run the exit head on the target's own first N layers (trunk.py) rather than a separate copy of them:
+    # None (default): for eesd and hierarchical, not for auto (on a CPU a split target's plain round costs
+    # ~5% more, and auto mostly runs plain or lookup rounds there; its model drafter stays lazy instead)
+    shared_trunk: bool | None = None
+    # which part of the cache a new prompt reuses: "exact" (default) only what a fresh prefill of that
+    # prompt computes the same way, so an answer depends on its prompt alone; "conversation" also the
+    # turns a continued conversation shares with it (eesd-chat: a turn's answer is then plain decoding's
+    # of the same conversation, with the earlier answers as they were decoded)
+    cache_reuse: str = "exact"
+    # HOST:PORT of llama.cpp RPC servers (eesd rpc-server) that hold the layers --n-gpu-layers offloads
+    rpc: tuple[str, ...] = ()
+
+
+class _Generation:
+    """One generation's generator and whether it still owns the engine's contexts."""
+
+    __slots__ = ("inner", "ended")
+
+    def __init__(self, inner: Generator[Event, None, None]) -> None:
+        self.inner = inner
+        self.ended: str | None = None  # why it no longer runs (then it must not touch the contexts)
+
+
+class Engine:
+    """A target model, a drafter and a controller; ``generate`` yields events.
+
+    One generation runs at a time, and it owns the contexts until it ends: :meth:`run` calls
+    from several threads wait for each other; a :meth:`generate` started while an earlier
+    generator is still open ends that one first (its KV rollback runs at once, and its next
+    step raises :class:`EesdError`), so an abandoned or late-collected generator never leaves
+    the cache out of step. llama.cpp is never entered twice at once. After :meth:`close` every
+    method raises ``EesdError("the engine is closed")``.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._closed = False
+        self._lock = threading.RLock()  # held while llama.cpp runs: one step of a generation, close, switches
+        self._serial = threading.RLock()  # held by run() and whole completions: they wait for each other
+        self._gen: _Generation | None = None  # the generation that owns the contexts
+        self._live: RoundLoop | None = None  # its round loop (for cancel)
+        self._cancel = False
+        check_config(config)
+        # greedy output byte-identical to plain decoding (runtime.exactness), and why (not)
+        self.exact, self.exact_note = exactness(draft_max=config.draft_max, n_gpu_layers=config.n_gpu_layers,
+                                                rpc=bool(config.rpc))
+        self._whole = 0  # leading PREFILL_CHUNK-aligned chunks the target's cache holds as a fresh prefill computes them
+        self.model_path = resolve_model(config.model)
+        # with the shared trunk the target's weights are the trunk's and the tail's: its own load is vocabulary only
+        plan, no_split = shared_trunk_plan(config, self.model_path)
+        self.model = Model(self.model_path, n_gpu_layers=config.n_gpu_layers, vocab_only=plan is not None, rpc=config.rpc)
+        self.drafter: Drafter = NoDrafter()
+        self.drafter_note = ""
+        self.trunk: Any = None  # the shared trunk+exit context, when the target is split
+        try:
+            params = ContextParams(n_ctx=config.n_ctx, n_threads=config.n_threads)
+            if plan is not None:
+                self.ctx: Any = open_split(self.model, plan[0], params, n_gpu_layers=config.n_gpu_layers, rpc=config.rpc)
+                self.trunk = self.ctx.trunk
+            else:
+                self.ctx = Context(self.model, params)
+            if config.draft_max + 1 > self.ctx.n_batch:  # a round decodes [last, d1..dk] in one batch
+                raise EesdError(f"a draft of up to {config.draft_max} tokens does not fit the target's batch of "
+                                f"{self.ctx.n_batch} tokens", hint=f"use --draft-max {self.ctx.n_batch - 1} or less")
+            self.drafter, self.drafter_note = make_drafter(config, self.model, self.trunk)
+            if no_split:
+                self.drafter_note += f"; {no_split}: the exit head runs as a separate draft model"
+            self.controller = _make_controller(config.controller, config.draft_max, config.seed, n_sources(self.drafter))
+        except BaseException:
+            self.close()
+            raise
+        self.loop_note = native_round.status(self.drafter)[1]  # which round loop runs, and why
+
+    # --- the round loop --------------------------------------------------
+
+    def generate(self, prompt: str | list[int], *, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, stop: list[str] | str | None = None) -> Generator[Event, None, None]:
+        """Yield a TokenEvent per emitted token, a RoundEvent per round, and one FinishEvent."""
+        s = check_sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop)
+        params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
+        max_tokens, stops = s.max_tokens, s.stop
+        with self._serial:  # wait for a run() of another thread
+            with self._lock:
+                self._check_open()
+                tokens = self._prompt_tokens(prompt)
+                self._end_generation("a newer generation started on the same engine")
+                self._cancel = False  # here, not in _run: a cancel() before the first next() still counts
+                gen = self._gen = _Generation(self._run(tokens, max_tokens, params, stops))
+        return self._step(gen)
+
+    def _step(self, gen: _Generation) -> Generator[Event, None, None]:
+        """Advance ``gen`` one event at a time under the engine's lock, as long as it owns the engine."""
+        try:
+            while True:
+                with self._lock:
+                    if gen.ended:
+                        raise EesdError(f"this generation was stopped: {gen.ended}",
+                                        hint="finish or close one generator before starting the next on the same engine")
+                    try:
+                        ev = next(gen.inner)
+                    except StopIteration:
+                        return
+                yield ev
+        finally:
+            with self._lock:
+                if not gen.ended:
+                    gen.ended = "it was closed"
+                    gen.inner.close()  # runs its rollback now, whoever holds the generator
+                if self._gen is gen:
+                    self._gen = None
+
+    def _end_generation(self, why: str) -> None:
+        """End the generation that owns the contexts (with the lock held): its rollback runs now."""
+        gen, self._gen = self._gen, None
+        if gen is not None and not gen.ended:
+            gen.ended = why
+            gen.inner.close()
+
+    def _prompt_tokens(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
+            tokens = self.tokenize(prompt)
+        elif isinstance(prompt, list | tuple) and all(isinstance(t, int | np.integer) and not isinstance(t, bool) for t in prompt):
+            tokens = [int(t) for t in prompt]
+            for i, t in enumerate(tokens):
+                self.model.check_token(t, f" at prompt position {i}")
+        else:
+            raise EesdError(f"the prompt must be text (str) or a list of token ids, got {type(prompt).__name__}",
+                            hint="decode bytes first, e.g. prompt.decode('utf-8')" if isinstance(prompt, bytes | bytearray) else None)
+        if not tokens:
+            raise EesdError("the prompt is empty", hint="give at least one token of text")
+        if len(tokens) >= self.ctx.n_ctx:
+            raise EesdError(
+                f"the prompt has {len(tokens)} tokens but the context holds {self.ctx.n_ctx}",
+                hint="shorten the prompt or pass a larger --n-ctx",
+            )
+        return tokens
+
+    def _run(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop: list[str]) -> Generator[Event, None, None]:
+        ctx, model, drafter, ctl = self.ctx, self.model, self.drafter, self.controller
+        rng = params.rng()
+        stats = Stats(n_prompt=len(prompt), drafter=drafter.name, controller=ctl.name, exact=self.exact)
+        detok = Detokenizer(model)
+        text: list[str] = []
+        history = list(prompt)
+        reason = "length"
+        rounds: RoundLoop | None = None
+        t_start = 0.0
+        try:
+            t0 = time.perf_counter()
+            n_fed = self._prefill(prompt)  # the last prompt token gives the first logits
+            t_fed = time.perf_counter() - t0
+            first = self._pick(ctx.logits(), params, rng)
+            drafter.begin(prompt)
+            ctl.begin_request()
+            share = getattr(drafter, "weight_share", 0.0)  # a model drafter's weights over the target's
+            if share and n_fed >= 16 and hasattr(ctl, "prime_resume"):
+                ctl.prime_resume(share * t_fed / n_fed)  # until measured: catching up ~ its share of a prefill
+            rounds, self.loop_note = native_round.open_loop(ctx, drafter, ctl, params, rng, draft_max=self.config.draft_max,
+                                                            batch_s=self.config.batch_ms / 1000.0)
+            self._live = rounds
+            stats.t_prefill = time.perf_counter() - t0
+            t_start = time.perf_counter()
+            pending = [(first, "target")]
+            round_no = 0
+            while True:
+                # emit what the last step produced; stop at end-of-generation, stop strings, limits
+                for tok, source in pending:
+                    if model.is_eog(tok):
+                        reason = "stop"
+                        break
+                    history.append(tok)
+                    stats.n_generated += 1
+                    piece = detok.push(tok)
+                    text.append(piece)
+                    yield TokenEvent(tok, piece, source, round_no)  # type: ignore[arg-type]
+                    if stop and _hit_stop(text, stop):
+                        reason = "stop"
+                        break
+                    if stats.n_generated >= max_tokens:
+                        reason = "length"
+                        break
+                else:
+                    reason = ""
+                if reason or self._cancel:
+                    reason = reason or "cancelled"
+                    break
+                room = rounds.room()
+                if room < 1:
+                    reason = "context"  # the context is full: the answer stops short of max_tokens
+                    break
+                # one round: draft, verify in one batch, accept, roll back (Python or native)
+                round_no += 1
+                left = max_tokens - stats.n_generated
+                r = rounds.run(history, round_limit(self.config.draft_max, left, room), left)
+                k, m = len(r.drafted), r.accepted
+                stats.t_draft += r.t_draft
+                stats.t_verify += r.t_verify
+                pending = [(t, "draft") for t in r.drafted[:m]]
+                if r.next_token >= 0:  # -1: a probe whose drafts were all accepted ends on its last draft
+                    pending.append((r.next_token, "bonus" if m == k and m > 0 else "target"))
+                stats.record_round(k, m, len(pending), r.source)
+                yield RoundEvent(round_no, k, m, len(pending), r.t_draft, r.t_verify, rounds.belief(), r.source,
+                                 r.rows or k + 1)
+        finally:
+            self._live = None
+            if rounds is not None:
+                rounds.close()  # the native loop hands its KV records back to the contexts
+            if ctx.ptr:  # the rollback always runs: the cache holds exactly the emitted history but `last`
+                ctx.trim(min(ctx.n_past, max(0, len(history) - 1)))
+            stats.t_decode = time.perf_counter() - t_start if t_start else 0.0
+        tail = detok.flush()
+        if tail:
+            text.append(tail)
+        yield FinishEvent(reason, stats, "".join(text))  # type: ignore[arg-type]
+
+    def _prefill(self, prompt: list[int]) -> int:
+        """Decode ``prompt`` into the target's cache, reusing what it shares with the cache; returns
+        how many tokens were decoded.
+
+        Where greedy output is exact, a fresh prompt is decoded in PREFILL_CHUNK-aligned chunks (the
+        last one holding the logit row), and only whole chunks computed that way are reused: batched
+        kernels give a row other bits in another batch, so a row reused from another computation (an
+        earlier answer's decode, a chunk cut elsewhere) could change the answer. ``cache_reuse=
+        "conversation"`` reuses the whole shared prefix instead."""
+        ctx = self.ctx
+        keep = min(common_prefix(ctx.tokens, prompt), len(prompt) - 1)
+        if not self.exact:
+            ctx.trim(keep)
+            ctx.decode(prompt[keep:])
+            return len(prompt) - keep
+        c = PREFILL_CHUNK
+        whole = min(self._whole, ctx.n_past // c)
+        if self.config.cache_reuse == "exact":
+            keep = min(keep // c, whole) * c
+        ctx.trim(keep)
+        self._whole = min(whole, keep // c)
+        start = keep
+        while start < len(prompt):
+            end = min((start // c + 1) * c, len(prompt))
+            ctx.decode(prompt[start:end], n_logits=1 if end == len(prompt) else 0)
+            if start == self._whole * c and end - start == c:
+                self._whole += 1
+            start = end
+        return len(prompt) - keep
+
+    def _pick(self, logits: np.ndarray, params: SamplingParams, rng: Uniform) -> int:
+        if params.greedy:
+            return int(np.argmax(logits))
+        return sample(probs(logits, params), rng)
+
+    def set_drafter(self, kind: str) -> str:
+        """Switch to a drafter of ``kind`` on the same target (between requests); returns its note."""
+        with self._lock:
+            self._check_open()
+            self._end_generation("the drafter was switched")
+            config = dataclasses.replace(self.config, drafter=kind)
+            drafter, note = make_drafter(config, self.model, self.trunk)
+            old, self.drafter, self.config, self.drafter_note = self.drafter, drafter, config, note
+            old.close()
+            if n_sources(drafter) != n_sources(old) and (config.controller is None or isinstance(config.controller, str)):
+                # a drafter with another number of sources needs a controller that chooses between them
+                self.controller = _make_controller(config.controller, config.draft_max, config.seed, n_sources(drafter))
+            self.loop_note = native_round.status(drafter)[1]
+            return note
+
+    def set_controller(self, spec: str) -> None:
+        """Switch the draft-length controller (between requests); it starts with a fresh belief."""
+        with self._lock:
+            self._check_open()
+            self._end_generation("the controller was switched")
+            self.controller = _make_controller(spec, self.config.draft_max, self.config.seed, n_sources(self.drafter))
+            self.config = dataclasses.replace(self.config, controller=spec)
+
+    def cancel(self) -> None:
+        """Ask a running generation to stop after the current round (thread-safe, never waits)."""
+        self._cancel = True
+        live = self._live
+        if live is not None:
+            live.cancel()  # the native loop also stops a running batch
+
+    # --- conveniences ----------------------------------------------------
+
+    def tokenize(self, text: str) -> list[int]:
+        with self._lock:
+            self._check_open()
+            return self.model.tokenize(text, add_special=True, parse_special=True)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The chat prompt as text (to show it); :meth:`chat_tokens` is what to generate from."""
+        self._check_open()
+        bos = self._bos_text()
+        text = chat_mod.render(self.model.chat_template(), messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=bos, eos_token="")
+        # the template writes the BOS itself; tokenize() must not add a second one
+        if bos and text.startswith(bos):
+            text = text[len(bos):]
+        return text
+
+    def chat_tokens(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """The chat prompt's tokens: the template's own markers as control tokens, the messages' text
+        as plain text, so that ``<|im_end|><|im_start|>system`` typed into a message stays text and
+        cannot open a turn of its own.
+
+        Where no message holds control-token text (tokenized alone, with and without special
+        parsing, it gives the same tokens), this is the whole rendered prompt tokenized as
+        llama.cpp does, token for token what plain decoding of the template's text reads. Otherwise
+        the template's text and the messages' text are tokenized apart (:func:`chat.render_parts`)."""
+        msgs = chat_mod.check_messages(messages)
+        text = self.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
+        with self._lock:
+            self._check_open()
+            model = self.model
+            if not any(model.tokenize(m["content"], add_special=False, parse_special=True)
+                       != model.tokenize(m["content"], add_special=False, parse_special=False) for m in msgs):
+                return model.tokenize(text, add_special=True, parse_special=True)
+            bos = self._bos_text()
+            parts = chat_mod.render_parts(model.chat_template(), msgs, add_generation_prompt=add_generation_prompt,
+                                          bos_token=bos, eos_token="")
+            if bos and parts and not parts[0][1] and parts[0][0].startswith(bos):
+                parts[0] = (parts[0][0][len(bos):], False)
+            tokens = [model.bos] if model.add_bos else []
+            for piece, is_text in parts:
+                tokens += model.tokenize(piece, add_special=False, parse_special=not is_text)
+            return tokens
+
+    def _bos_text(self) -> str:
+        return self.model.token_to_piece(self.model.bos, special=True).decode("utf-8", "replace") if self.model.add_bos else ""
+
+    def run(self, prompt: str | list[int], **kw: Any) -> FinishEvent:
+        """Generate to the end and return the FinishEvent (text and stats); runs from several
+        threads wait for each other."""
+        with self._serial:
+            last = None
+            for ev in self.generate(prompt, **kw):
+                last = ev
+        assert isinstance(last, FinishEvent)
+        return last
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EesdError("the engine is closed", hint="load the model again (eesd_local.load) to go on")
+
+    def close(self) -> None:
+        """Free the contexts and models; a generation still open ends first. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._end_generation("the engine was closed")
+            self._closed = True
+            for part in (self.drafter, getattr(self, "ctx", None), self.model):
+                if part is not None:
+                    part.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _hit_stop(text: list[str], stop: list[str]) -> bool:
+    tail = "".join(text[-64:])
+    return any(s and s in tail for s in stop)
+
+
+def check_config(config: EngineConfig) -> None:
+    """The engine's options (load()'s keywords, the command-line flags), checked as request parameters are."""
+    if not isinstance(config.model, str | os.PathLike):
+        raise ParamError("model", f"model must be a registry name or a GGUF path, got {show(config.model)}")
+    if isinstance(config.drafter, str):
+        check_choice("drafter", config.drafter, tuple(DRAFTERS))
+    for name in ("head", "draft_model"):
+        value = getattr(config, name)
+        if value is not None and not isinstance(value, str | os.PathLike):
+            raise ParamError(name, f"{name} must be a path (a string), got {show(value)}")
+    check_int("draft_max", config.draft_max, 1, hint="the most tokens drafted per round, e.g. 8 (--draft-max 8)")
+    check_int("n_ctx", config.n_ctx, 1, hint="the context size in tokens, e.g. 4096 (--n-ctx 4096)")
+    check_int("n_gpu_layers", config.n_gpu_layers, -1, hint="layers offloaded to a GPU: 0 for none, -1 for all")
+    check_optional_int("n_threads", config.n_threads, 1, MAX_THREADS, hint="leave it out to use every core")
+    check_int("seed", config.seed, SEED_MIN, SEED_MAX, hint="the controller's seed, e.g. 0")
+    check_number("batch_ms", config.batch_ms, 0.0, MAX_BATCH_MS, hint=f"e.g. {BATCH_MS:g}; 0 returns after every round")
+    if config.shared_trunk is not None:
+        check_choice("shared_trunk", config.shared_trunk, (True, False), hint="or None for the drafter's default")
+    check_choice("cache_reuse", config.cache_reuse, ("exact", "conversation"))
+    if isinstance(config.rpc, str) or not isinstance(config.rpc, list | tuple) or not all(isinstance(e, str) for e in config.rpc):
+        raise ParamError("rpc", f"rpc must be a list of HOST:PORT strings, got {show(config.rpc)}")
+    if config.rpc:
+        parse_endpoints(list(config.rpc))
+
+
+def _make_controller(spec: Any, draft_max: int, seed: int, sources: int = 1) -> Controller:
+    if spec is not None and not isinstance(spec, str):
+        return spec  # a Controller object
+    from eesd_local.spec.controllers import DEFAULT_CONTROLLER, make_controller
+
+    return make_controller(spec or DEFAULT_CONTROLLER, max_draft=draft_max, seed=seed, sources=sources)

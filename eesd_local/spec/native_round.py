@@ -1,0 +1,197 @@
+"""Glue between the engine and the native round loop (``eesd_local._native``).
+
+The extension runs a whole round in C++: the controller's decisions (the same Numba
+kernels, as C function pointers), drafting with the draft context or from the lookup
+drafter's n-gram search (run in C++ with the drafter's n-gram sizes), the ONE batched verify, greedy or speculative-sampling
+acceptance, and the KV trims of both contexts. It keeps its own record of what each
+KV cache holds for the length of a generation: the record moves in when the rounds
+start and back into the Python contexts on :meth:`NativeRounds.close`.
+
+Which drafters it can run is each drafter's own say (:meth:`Drafter.native`): a draft
+context drafting token by token, an n-gram lookup, both (hierarchical), or nothing.
+
+``EESD_NATIVE=0`` forces the Python loop; without the extension the engine falls back
+to it by itself. Both give the same tokens and the same events.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from eesd_local.spec.drafters.base import Drafter, NativeSpec
+from eesd_local.errors import ContextFullError, EesdError
+from eesd_local.spec.rounds import Controller, PythonRounds, RoundLoop, RoundResult
+from eesd_local.llama.runtime import Context
+from eesd_local.spec.sampling import SamplingParams, TokenRNG
+
+# the extension's drafting modes: nothing, n-gram lookup proposals, a draft context, the controller's choice per round
+NONE, POINT, MODEL, CHOOSE = 0, 1, 2, 3
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> tuple[Any, str]:
+    """(the extension or None, why not)."""
+    try:
+        from eesd_local import _native
+    except ImportError as exc:
+        return None, str(exc)
+    return _native, ""
+
+
+def status(drafter: Drafter) -> tuple[bool, str]:
+    """(use the native loop for ``drafter``?, a one-line note saying which loop runs and why)."""
+    if os.environ.get("EESD_NATIVE", "").strip() == "0":
+        return False, "round loop: Python (EESD_NATIVE=0)"
+    native, why = _load()
+    if native is None:
+        return False, f"round loop: Python (native extension unavailable: {why})"
+    if drafter.native() is None:
+        return False, f"round loop: Python (the drafter {drafter.name} has no native form)"
+    return True, "round loop: native"
+
+
+def open_loop(ctx: Context, drafter: Drafter, controller: Controller, params: SamplingParams, rng: TokenRNG, *,
+              draft_max: int, batch_s: float) -> tuple[RoundLoop, str]:
+    """The round loop for one generation (native when it can run the drafter, else Python) and its note.
+
+    A drafter with free offers (prompt lookup, alone or in ``auto``) has the controller learn from
+    every offer in hindsight where the controller can (:meth:`Controller.learn_in_hindsight`)."""
+    use_native, note = status(drafter)
+    learn = getattr(controller, "learn_in_hindsight", None)
+    hindsight = bool(learn(bool(getattr(drafter, "free_offers", False)))) if learn is not None else False
+    if use_native:
+        return NativeRounds(ctx, drafter, controller, params, rng, draft_max=draft_max, batch_s=batch_s,
+                            hindsight=hindsight), note
+    return PythonRounds(ctx, drafter, controller, params, rng, hindsight=hindsight), note
+
+
+def _mode(spec: NativeSpec) -> int:
+    if spec.choose:
+        return CHOOSE  # lookup alone or the draft context alone, as the controller's SOURCE says
+    if spec.draft_ctx is not None:
+        return MODEL  # guesses from spec.lookup, if any, are checked by the draft context (hierarchical)
+    return POINT if spec.lookup is not None else NONE
+
+
+def _open(ctx: Context, what: str) -> int:
+    if not ctx.ptr:
+        raise EesdError(f"the {what} context is closed", hint="load the engine again")
+    return int(ctx.ptr)
+
+
+class NativeRounds:
+    """One generation's rounds through the extension (:class:`eesd_local.spec.rounds.RoundLoop`).
+
+    The extension runs rounds in batches: one call runs the rounds the engine would ask for
+    next (the same :func:`eesd_local.spec.rounds.round_limit`, from the tokens still wanted and the
+    room left) until ``batch_s`` seconds have passed, an end-of-generation token, or
+    :meth:`cancel`; the engine then takes them one by one, with the same events as
+    round-by-round calls. So Python runs once per batch rather than once per round: on a
+    GPU, where a round takes a millisecond or two, that is most of the time outside
+    llama.cpp. ``batch_s=0``: one round per call.
+    """
+
+    def __init__(self, ctx: Context, drafter: Drafter, controller: Controller, params: SamplingParams, rng: TokenRNG,
+                 *, draft_max: int, batch_s: float = 0.0, hindsight: bool = False) -> None:
+        from eesd_local.spec.controllers import layout as L
+        from eesd_local.spec.controllers.cfuncs import addresses, hindsight_address
+
+        native, why = _load()
+        spec = drafter.native()
+        if native is None or spec is None:
+            raise EesdError(f"the native round loop cannot run here: {why or drafter.name}")
+        self.mode = _mode(spec)
+        self.draft_ctx = spec.draft_ctx
+        self.ctl, self.rng = controller, rng
+        self._native = native
+        split = getattr(ctx, "trunk", None) is not None  # the shared trunk's split target (trunk.py)
+        if split:  # the loop runs the tail as the target and the trunk as the draft context, whatever drafts
+            self.draft_ctx, ctx = ctx.trunk, ctx.tail  # type: ignore[attr-defined]
+        self.ctx = ctx
+        draft = self.draft_ctx
+        self.rounds = native.Rounds(_open(ctx, "target"), ctx.n_batch, 0 if split or not draft else _open(draft, "draft"),
+                                    draft.n_batch if draft else 0, *addresses(), no_bonus_slot=L.NO_BONUS)
+        if split:
+            trunk: Any = draft
+            t = trunk.table
+            self.rounds.set_split(_open(trunk, "trunk"), trunk.n_batch, trunk.capture.user_data, t._raw.ctypes.data,
+                                  t.row_bytes, t.type, t.n_rows, t.n_embd, [int(v) for v in trunk.vocab],
+                                  int(trunk.target_model.ptr))
+        self.rounds.set_slots(L.OFFER_N, L.OFFER_CONF, L.BEHIND, L.SOURCE, L.T_CATCHUP, L.OFFER_MATCH)
+        if hindsight:
+            self.rounds.set_hindsight(hindsight_address())
+        names = getattr(drafter, "source_name", None)
+        self._names = {L.SRC_LOOKUP: names(L.SRC_LOOKUP) if names else drafter.name,
+                       L.SRC_MODEL: names(L.SRC_MODEL) if names else drafter.name}
+        for which, c in enumerate((ctx, draft)):
+            if c is not None:
+                self.rounds.set_tokens(which, c.tokens)
+                self.rounds.limit(which, c.n_ctx)
+        if spec.lookup is not None:  # the n-gram search runs in C++, on the history the extension holds
+            self.rounds.set_lookup(*spec.lookup)
+        self._started = False
+        self.draft_max = draft_max
+        # rounds run ahead, in order: (drafted, accepted, next token, t_draft, t_verify, the draft
+        # limit it ran with, free target KV positions before it, the source that drafted)
+        self._queue: deque[tuple[list[int], int, int, float, float, int, int, int, int]] = deque()
+        self._cancel = np.zeros(1, dtype=np.uint8)  # read by the extension between rounds
+        self._belief: dict[str, float] | None = None  # the controller's belief after the current batch
+        self.rounds.configure(controller.state, self.mode, params.temperature, params.top_k, params.top_p, rng.state,
+                              batch_s, self._cancel)
+        self.t_llama = 0.0  # seconds inside llama_decode, both contexts (for overhead measurements)
+
+    def room(self) -> int:
+        """Free target KV positions before the next round (a queued one's, if any)."""
+        return self._queue[0][6] if self._queue else int(self.rounds.room())
+
+    def cancel(self) -> None:
+        """Stop a running batch after its current round (thread-safe)."""
+        self._cancel[0] = 1
+
+    def run(self, history: list[int], max_n: int, left: int) -> RoundResult:
+        """The next round (queued, or the first of a new batch); the batch applies the engine's
+        ``round_limit`` itself, round by round, so ``max_n`` is what that rule gives here."""
+        if not self._queue:
+            self._fetch(history, left)
+            self._belief = None
+        drafted, m, nxt, t_draft, t_verify, _, _, src, rows = self._queue.popleft()
+        return RoundResult(drafted, m, nxt, t_draft, t_verify, self._names.get(src, "") if drafted else "", rows)
+
+    def belief(self) -> dict[str, float]:
+        """The controller's belief after the current batch: it changed in C++, round by round, but
+        Python sees it once a batch (so all rounds of a batch report this one)."""
+        if self._belief is None:
+            self._belief = self.ctl.belief()
+        return self._belief
+
+    def _fetch(self, history: list[int], left: int) -> None:
+        if not self._started:  # the history is known from the first round on; the extension extends it itself
+            self.rounds.set_history(history)
+            self._started = True
+        _open(self.ctx, "target")
+        if self.draft_ctx is not None:
+            _open(self.draft_ctx, "draft")
+        try:
+            self._queue.extend(self.rounds.run_batch(len(history), self.draft_max, left, 1 << 20))
+        except self._native.ContextFull as exc:
+            raise ContextFullError(str(exc), hint="start a new conversation or pass a larger --n-ctx") from None
+
+    def close(self) -> None:
+        """Hand the KV records back to the Python contexts (the engine calls this before any other
+        generation touches them, so the records are the caches' own)."""
+        rounds = self.rounds
+        if rounds is None:
+            return
+        self.rounds = None
+        self.rng.state = rounds.rng_state()  # the random stream goes on where the batches left it
+        self.t_llama = rounds.t_llama
+        if self.ctx.ptr:
+            self.ctx.tokens[:] = rounds.tokens(0)
+        if self.draft_ctx is not None and self.draft_ctx.ptr:
+            self.draft_ctx.tokens[:] = rounds.tokens(1)
+        rounds.close()

@@ -1,0 +1,282 @@
+"""From measured runs to the figures: per method and category, the JSON, the tables.
+
+Rates are totals over the runs (tokens after the first / seconds after the first
+token), not means of per-prompt rates; ``speedup`` is a method's rate over ``none``'s
+on the same prompts of the same run. ``tau`` is tokens emitted per target
+verification after the first token; ``draft_cost`` is the drafter's seconds per drafted
+token relative to ``none``'s seconds per token. ``identical`` (greedy only) counts outputs
+equal to plain decoding's token for token; ``exact`` is whether the method claims they all are
+(runtime.exactness); ``lossless`` is true when they all are where exactness is claimed, or where
+it is not, when each difference is a near tie of the target's two best logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from eesd_local.spec.events import Stats
+from eesd_local.tools.bench.runner import Results, Run, machine_info
+
+ALL = "all"
+REQUIRED_KEYS = ("tokens_per_s", "speedup", "tau", "acceptance_rate", "lossless", "n_prompts", "memory_overhead")
+
+
+def _rate(runs: list[Run]) -> tuple[int, float]:
+    n = sum(max(0, t.n - 1) for r in runs for t in r.turns)
+    secs = sum(t.t_decode for r in runs for t in r.turns)
+    return n, secs
+
+
+def _div(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def _vs(runs: list[Run], ref_runs: dict[tuple[str, str, int], Run]) -> float | None:
+    """This method's rate over the reference's, on the prompts both ran."""
+    paired = [r for r in runs if (r.category, r.item, r.repeat) in ref_runs]
+    a, b = _div(*_rate(paired)), _div(*_rate([ref_runs[(r.category, r.item, r.repeat)] for r in paired]))
+    return a / b if a and b else None
+
+
+def figures(res: Results, method: str, runs: list[Run], plain: dict[tuple[str, str, int], Run],
+            servers: dict[str, dict[tuple[str, str, int], Run]] | None = None) -> dict[str, Any]:
+    """The figures of one method over ``runs`` (one category, or all of them); ``servers``: the runs of
+    plain ``llama-server`` and ``serve:llama-server`` where they ran, the references of ``vs_llama_server``."""
+    info = res.methods[method]
+    base = res.methods["none"]
+    turns = [t for r in runs for t in r.turns]
+    n_tok, secs = _rate(runs)
+    paired = [r for r in runs if (r.category, r.item, r.repeat) in plain]
+    ref = [plain[(r.category, r.item, r.repeat)] for r in paired]
+    m_rate, r_rate = _rate(paired), _rate(ref)
+    tps_m, tps_r = _div(*m_rate), _div(*r_rate)
+    total = Stats()
+    for t in turns:
+        total.add(t.rounds)
+    rounds, drafted, accepted, emitted, t_draft = total.n_rounds, total.n_drafted, total.n_accepted, total.n_emitted, total.t_draft
+    d_at, a_at = total.drafted_at, total.accepted_at
+    per_target_token = _div(r_rate[1], r_rate[0])  # none's seconds per token on these prompts
+    draft_cost = None
+    if drafted and per_target_token:
+        draft_cost = (t_draft / drafted) / per_target_token
+    greedy = res.config.temperature == 0
+    mismatches = [asdict(r.mismatch) for r in runs if r.mismatch is not None]
+    return {
+        "tokens_per_s": _div(n_tok, secs),
+        "speedup": 1.0 if method == "none" and runs else (tps_m / tps_r if tps_m and tps_r else None),
+        "tau": _div(emitted, rounds),
+        "acceptance_rate": _div(accepted, drafted),
+        "exact": info.exact,
+        "lossless": (not mismatches if info.exact else all(m["near_tie"] for m in mismatches)) if greedy and runs else None,
+        "identical": (len(runs) - len(mismatches) if not info.peer
+                      else sum(bool(r.same_as_plain) for r in runs) if any(r.same_as_plain is not None for r in runs)
+                      else None) if greedy else None,
+        # tokens/s over plain llama-server's on the same prompts (over serve:llama-server's for serve: methods)
+        "vs_llama_server": _vs(runs, (servers or {}).get("serve:llama-server" if method.startswith("serve:") else "llama-server", {})),
+        "mismatches": mismatches,
+        "n_prompts": len({(r.category, r.item) for r in runs}),
+        "n_runs": len(runs),
+        "n_generated": sum(t.n for t in turns),
+        "prefill_s": _div(sum(t.t_prefill for t in turns), len(turns)),
+        "acceptance_by_position": [a / d if d else None for a, d in zip(a_at, d_at, strict=True)],
+        "mean_draft_length": _div(drafted, rounds),
+        "draft_cost": draft_cost,
+        # shared trunk: the part of a drafted token's cost beyond the trunk's (exit block + draft head),
+        # the whole draft cost less the trunk's timed share of a target token
+        "draft_cost_beyond_trunk": (draft_cost - info.trunk_share
+                                    if draft_cost is not None and info.trunk_share is not None
+                                    and not total.by_source.get("lookup", (0, 0, 0))[1] else None),
+        "trunk_share": info.trunk_share,
+        "model_bytes": info.model_bytes,
+        "memory_overhead": info.model_bytes - base.model_bytes,
+        "rss_growth_bytes": info.rss_growth_bytes,
+        "drafter": info.drafter,
+        "controller": info.controller,
+        # PROJECTION, not a measurement: the speedup these rounds would give on a memory-bound device,
+        # where verifying k+1 tokens costs one target step and a drafted token its share of the weights read
+        "projected_memory_bound_speedup": projected_speedup(total, info.draft_share) if runs else None,
+        # which source drafted (auto chooses per round): rounds, tokens drafted, accepted, acceptance
+        "sources": {src: {"rounds": r, "drafted": d, "accepted": a, "acceptance_rate": _div(a, d)}
+                    for src, (r, d, a) in sorted(total.by_source.items())},
+    }
+
+
+def projected_speedup(stats: Stats, draft_share: dict[str, float]) -> float | None:
+    """tokens emitted / (rounds + sum over sources of tokens drafted x the source's draft share):
+    every verify costs one target step whatever its batch, every drafted token the bytes its draft
+    step reads over a target step's (0 for prompt lookup). Plain decoding projects to 1.00."""
+    if not stats.n_rounds:
+        return None
+    steps = stats.n_rounds + sum(d * draft_share.get(src, 0.0) for src, (_, d, _) in stats.by_source.items())
+    return stats.n_emitted / steps
+
+
+def _sources(fig: dict[str, Any]) -> str:
+    """Each drafting source's share of the drafted tokens and its acceptance, e.g. "lookup 97%/88%"."""
+    srcs = fig.get("sources") or {}
+    total = sum(v["drafted"] for v in srcs.values())
+    if not total:
+        return "-"
+    return ", ".join(f"{k} {v['drafted'] / total:.0%}/{_f(v['acceptance_rate'], '.0%')}"
+                     for k, v in sorted(srcs.items(), key=lambda kv: -kv[1]["drafted"]))
+
+
+def summarize(res: Results) -> dict[str, dict[str, dict[str, Any]]]:
+    """method -> category (plus "all" when there are several) -> figures."""
+    plain = {(r.category, r.item, r.repeat): r for r in res.runs if r.method == "none"}
+    servers: dict[str, dict[tuple[str, str, int], Run]] = {
+        name: {(r.category, r.item, r.repeat): r for r in res.runs if r.method == name}
+               for name in ("llama-server", "serve:llama-server") if name in res.methods}
+    cats = list(res.categories)
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for method in res.methods:
+        mine = [r for r in res.runs if r.method == method]
+        out[method] = {c: figures(res, method, [r for r in mine if r.category == c], plain, servers) for c in cats}
+        if len(cats) > 1:
+            out[method][ALL] = figures(res, method, mine, plain, servers)
+    return out
+
+
+def to_json(res: Results, command: str) -> dict[str, Any]:
+    cfg = res.config
+    return {
+        "model": cfg.model,
+        "machine": machine_info(cfg, res.n_threads),
+        "methods": summarize(res),
+        "batch_costs": res.batch_costs,  # B(k) of the model's weights on this machine (weights.batch_costs)
+        "run": {
+            "command": command,
+            "date": res.started,
+            "model_path": res.model_path,
+            "prompts": cfg.prompts,
+            "categories": res.categories,
+            "n_prompts_per_category": cfg.n_prompts,
+            "max_tokens": cfg.max_tokens,
+            "temperature": cfg.temperature,
+            "top_k": cfg.top_k,
+            "top_p": cfg.top_p,
+            "repeats": cfg.repeats,
+            "draft_max": cfg.draft_max,
+            "n_ctx": cfg.n_ctx,
+            "complete": res.complete,
+            "runs_done": len(res.runs),
+            "runs_planned": res.n_planned,
+            "peak_rss_bytes": res.peak_rss_bytes,
+        },
+        "failures": dict(res.failures),
+    }
+
+
+# --- tables ---------------------------------------------------------------------------
+
+
+def _f(x: Any, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _identical(fig: dict[str, Any]) -> str:
+    """"12/12", or where some differ "10/12 NOT EXACT" (exactness claimed) or "10/12 (2 near-tie)"."""
+    if fig["identical"] is None:
+        return "-"
+    text = f"{fig['identical']}/{fig['n_runs']}"
+    mm = fig["mismatches"]
+    if mm:
+        text += " NOT EXACT" if fig["exact"] else f" ({sum(m['near_tie'] for m in mm)} near-tie)"
+    return text
+
+
+def exactness_failures(res: Results, summary: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """One line per method of ours whose greedy output is not byte-identical to plain decoding's, or not claimed to be."""
+    out = []
+    for method, by_cat in summary.items():
+        if method == "none" or res.config.temperature != 0 or res.methods[method].peer:
+            continue
+        f = by_cat.get(ALL) or next(iter(by_cat.values()))
+        if not res.methods[method].exact:
+            out.append(f"{method}: exactness is not claimed here")
+        elif f["mismatches"]:
+            first = f["mismatches"][0]
+            out.append(f"{method}: {len(f['mismatches'])} of {f['n_runs']} outputs differ from plain decoding "
+                       f"(first: {first['item']}, token {first['index']})")
+    return out
+
+
+def tables(res: Results, summary: dict[str, dict[str, dict[str, Any]]]) -> list[Any]:
+    """One rich Table per category."""
+    from rich.table import Table
+
+    cats = [c for c in [*res.categories, ALL] if any(c in v for v in summary.values())]
+    out = []
+    for cat in cats:
+        t = Table(title=f"{cat}", title_justify="left")
+        for col in ("method", "tok/s", "speedup", "tau", "accept", "draft len", "draft cost", "prefill s", "identical to none",
+                    "+MB vs none", "prompts", "drafted by (share/acc)", "projected mem-bound speedup"):
+            t.add_column(col, justify="left" if col in ("method", "identical to none", "drafted by (share/acc)") else "right")
+        for method, by_cat in summary.items():
+            f = by_cat.get(cat)
+            if f is None or not f["n_runs"]:
+                continue
+            t.add_row(method, _f(f["tokens_per_s"], ".2f"), _f(f["speedup"], ".2f"), _f(f["tau"], ".2f"),
+                      _f(f["acceptance_rate"], ".0%"), _f(f["mean_draft_length"], ".2f"), _f(f["draft_cost"], ".2f"),
+                      _f(f["prefill_s"], ".2f"), _identical(f), _f(f["memory_overhead"] / 1e6, ".0f"), str(f["n_prompts"]),
+                      _sources(f), _f(f.get("projected_memory_bound_speedup"), ".2f"))
+        out.append(t)
+    return out
+
+
+def markdown(res: Results, summary: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """The same tables as Markdown (for BENCHMARKS.md)."""
+    peers = peers_markdown(res, summary)
+    lines = [peers] if peers else []
+    cats = [c for c in [*res.categories, ALL] if any(c in v for v in summary.values())]
+    for cat in cats:
+        lines += [f"**{cat}**", "",
+                  "| method | tok/s | speedup | tau | accept | draft len | draft cost | prefill s | identical to none | +MB vs none | prompts "
+                  "| drafted by (share/acc) | projected mem-bound speedup |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|---:|"]
+        for method, by_cat in summary.items():
+            f = by_cat.get(cat)
+            if f is None or not f["n_runs"]:
+                continue
+            lines.append(f"| {method} | {_f(f['tokens_per_s'], '.2f')} | {_f(f['speedup'], '.2f')} | {_f(f['tau'], '.2f')} | "
+                         f"{_f(f['acceptance_rate'], '.0%')} | {_f(f['mean_draft_length'], '.2f')} | {_f(f['draft_cost'], '.2f')} | "
+                         f"{_f(f['prefill_s'], '.2f')} | {_identical(f)} | {_f(f['memory_overhead'] / 1e6, '.0f')} | {f['n_prompts']} | "
+                         f"{_sources(f)} | {_f(f.get('projected_memory_bound_speedup'), '.2f')} |")
+        lines.append("")
+    for name, info in res.methods.items():
+        growth = "-" if info.rss_growth_bytes is None else f"{info.rss_growth_bytes / 1e6:.0f} MB"
+        lines.append(f"- `{name}`: drafter {info.drafter}, controller {info.controller}, model {info.model_bytes / 1e6:.0f} MB, "
+                     f"RSS added by loading and warm-up {growth}")
+    if res.peak_rss_bytes:
+        lines.append(f"- process peak RSS {res.peak_rss_bytes / 1e9:.2f} GB, every method loaded in one process")
+    return "\n".join(lines) + "\n"
+
+
+def peers_rows(res: Results, summary: dict[str, dict[str, dict[str, Any]]]) -> tuple[list[str], list[list[str]]] | None:
+    """The peers table: one row per method (llama.cpp's, llama-cpp-python's, ours), one column per prompt
+    kind: tokens/s over plain llama-server's on the same prompts; then acceptance, tau, identical to its
+    plain reference (llama-server's own for its spec types, ``none`` for ours). None without llama-server."""
+    if "llama-server" not in res.methods and not any(m.startswith("llama-server") for m in res.failures):
+        return None
+    cats = [c for c in [*res.categories, ALL] if any(c in v for v in summary.values())]
+    head = ["method", *cats, "accept", "tau", "identical to plain"]
+    rows = []
+    for method, by_cat in summary.items():
+        f_all = by_cat.get(ALL) or next(iter(by_cat.values()))
+        rows.append([method, *[_f((by_cat.get(c) or {}).get("vs_llama_server"), ".2f") for c in cats],
+                     _f(f_all["acceptance_rate"], ".0%"), _f(f_all["tau"], ".2f"), _identical(f_all)])
+    for method, why in res.failures.items():
+        rows.append([method, *["-"] * len(cats), "-", "-", f"did not run: {why}"])
+    return head, rows
+
+
+def peers_markdown(res: Results, summary: dict[str, dict[str, dict[str, Any]]]) -> str:
+    got = peers_rows(res, summary)
+    if got is None:
+        return ""
+    head, rows = got
+    lines = ["**tokens/s over plain llama-server's, by prompt kind** (serve: rows over serve:llama-server's)", "",
+             "| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 2) + "|---|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"

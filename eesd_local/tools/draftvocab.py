@@ -1,0 +1,109 @@
+"""The draft vocabulary V' of the shared trunk (FR-Spec, VocabTrim): the V' tokens the model
+writes most, so that the draft's LM head is V' rows rather than all of them.
+
+For a small model the LM head is most of a draft step (Qwen2.5-0.5B: 136M of its parameters
+against ~15M per block); restricted to the 32,768 most frequent tokens it costs a fifth. The
+target still verifies over the full vocabulary: a draft is zero outside V', which greedy
+verification and speculative sampling (q(d) = 0 outside V') handle exactly; the only loss is
+a target token outside V', which the draft cannot propose.
+
+Frequencies come from text like the model's answers, never from held-out prompts: the
+model's own greedy answers from the head-training teacher cache when one exists (counted
+four times over), and the training split of the ShareGPT assistant turns and of the stdlib
+source (models/README.md's held-out rules). The end-of-generation tokens are always in V'.
+The list is computed once per model and size and cached.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from eesd_local import cachefile
+from eesd_local.errors import EesdError
+from eesd_local.paths import cache_dir
+
+DRAFT_VOCAB = 32768  # V': the default draft vocabulary size
+VOCAB_FORMAT = 1
+OWN_ANSWER_WEIGHT = 4  # a token of the model's own answers counts this many times a token of text
+
+
+def _teacher_tokens(base_path: Path) -> list[np.ndarray]:
+    """Token arrays of the model's own answers in the head-training teacher cache (if any)."""
+    from eesd_local.tools.heads import teacher
+    from eesd_local.gguf.headfile import fingerprint
+
+    root = cache_dir("heads-data") / fingerprint(base_path)  # where `eesd heads train` keeps its teacher data
+    if not root.is_dir():
+        return []
+    out = []
+    for d in [root, *sorted(p for p in root.iterdir() if p.is_dir())]:
+        for shard in teacher.shard_paths(d):
+            try:
+                with np.load(shard) as z:
+                    out.append(np.asarray(z["tokens"], dtype=np.int64))
+            except (OSError, KeyError, ValueError):
+                continue
+    return out
+
+
+def token_counts(base_path: Path, n_vocab: int, *, max_chars: int = 16_000_000) -> np.ndarray:
+    """How often the model would write each token, from its own answers and from training text."""
+    from eesd_local.tools.heads import data
+    from eesd_local.llama.runtime import Model
+
+    counts = np.zeros(n_vocab, dtype=np.int64)
+    for toks in _teacher_tokens(base_path):
+        counts += OWN_ANSWER_WEIGHT * np.bincount(toks[(toks >= 0) & (toks < n_vocab)], minlength=n_vocab)
+    model = Model(base_path, vocab_only=True)
+    try:
+        items = data.interleave(data.sharegpt_text_items(), data.source_items(), weights=(0.7, 0.3))
+        used = 0
+        for it in items:
+            if used >= max_chars:
+                break
+            used += len(it.text)
+            toks = np.asarray(model.tokenize(it.text, add_special=False, parse_special=False), dtype=np.int64)
+            counts += np.bincount(toks, minlength=n_vocab)
+    finally:
+        model.close()
+    return counts
+
+
+def draft_vocab(base_path: Path, size: int = DRAFT_VOCAB, *, force: bool = False) -> np.ndarray:
+    """V': the ``size`` most frequent token ids (sorted ascending, int32), cached per model."""
+    from eesd_local.gguf.headfile import fingerprint
+    from eesd_local.llama.runtime import Model
+
+    base_path = Path(base_path)
+    fp = fingerprint(base_path)
+    path = cache_dir("drafts") / f"{base_path.stem}.vocab{size}.v{VOCAB_FORMAT}.{fp[:16]}.npy"
+    if not force and cachefile.intact(path):  # a damaged, truncated or foreign file is computed again below
+        try:
+            v = np.load(path)
+            if v.dtype == np.int32 and v.ndim == 1:
+                return v
+        except (OSError, ValueError):
+            pass
+    model = Model(base_path, vocab_only=True)
+    try:
+        n_vocab = model.n_vocab
+        eog = [t for t in range(n_vocab) if model.is_eog(t)]
+    finally:
+        model.close()
+    if size >= n_vocab:
+        v = np.arange(n_vocab, dtype=np.int32)
+    else:
+        counts = token_counts(base_path, n_vocab).astype(np.float64)
+        counts[eog] = np.inf  # always proposable
+        order = np.argsort(-counts, kind="stable")  # ties: the lower id first (BPE's earlier, commoner merges)
+        v = np.sort(order[:size]).astype(np.int32)
+    try:
+        with cachefile.derived_path(path) as tmp:
+            with open(tmp, "wb") as fh:
+                np.save(fh, v)
+    except OSError as exc:
+        raise EesdError(f"cannot write {path}: {exc.strerror or exc}",
+                        hint="free some disk space (or set EESD_HOME to a larger disk) and run again") from None
+    return v
