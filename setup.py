@@ -1,6 +1,8 @@
 """Builds eesd_local._native (native/) against the installed llama-cpp-python.
 
-Everything else about the package is in pyproject.toml. The extension includes the
+Everything else about the package is in pyproject.toml, but the package list: every package
+under eesd_local/ and eesd_chat/ is found here (find_packages), plus the shipped models/ data
+as eesd_local.models (pyproject's package-dir). The extension includes the
 llama.h that llama-cpp-python installs (<site-packages>/include) and links its
 libllama (<site-packages>/llama_cpp/lib), with an RPATH to that directory so that
 the extension and llama_cpp's ctypes share ONE loaded libllama. So llama-cpp-python is
@@ -22,10 +24,10 @@ import sys
 import sysconfig
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext, has_flag
-from setuptools import setup
+from setuptools import find_packages, setup
 from setuptools.errors import CCompilerError, CompileError, ExecError, LinkError, PlatformError
 
-SOURCES = ["native/rounds.cpp", "native/module.cpp"]  # and the headers they include: native/*.hpp
+SOURCES = ["native/rounds.cpp", "native/split.cpp", "native/module.cpp"]  # and the headers they include: native/*.hpp
 
 
 def find_llama_cpp() -> tuple[str, str] | None:
@@ -115,4 +117,6 @@ native = Pybind11Extension(
     optional=True,
 )
 
-setup(ext_modules=[native], cmdclass={"build_ext": BuildNative})
+PACKAGES = find_packages(include=["eesd_local", "eesd_local.*", "eesd_chat", "eesd_chat.*"]) + ["eesd_local.models"]
+
+setup(packages=PACKAGES, ext_modules=[native], cmdclass={"build_ext": BuildNative})

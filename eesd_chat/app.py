@@ -23,12 +23,15 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Footer, Header, Input, Static
 
-from eesd_local.errors import EesdError
-from eesd_local.spec.events import FinishEvent, RoundEvent, TokenEvent
-from eesd_local.interrupts import keep_interrupts
-
 from eesd_chat.session import Answer, Conversation, PlainEstimate, Turn, default_transcript_path, merge_stats, save_transcript
 from eesd_chat.widgets import AnswerView, SpeculationPanel, UserView
+from eesd_local.api import load
+from eesd_local.commands.options import add_engine_args, engine_config
+from eesd_local.errors import EesdError
+from eesd_local.interrupts import keep_interrupts
+from eesd_local.params import check_sampling
+from eesd_local.spec.events import FinishEvent, RoundEvent, TokenEvent
+from eesd_local.spec.lossless import CLAIM
 
 if TYPE_CHECKING:  # the engine pulls in llama.cpp and numba: open_engine imports it inside main's Ctrl-C handler
     from eesd_local.spec.engine import Engine
@@ -387,9 +390,6 @@ def swap_controller(engine: Engine, spec: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from eesd_local.commands.options import add_engine_args
-    from eesd_local.spec.lossless import CLAIM
-
     p = argparse.ArgumentParser(prog="eesd-chat", description="A terminal chat that shows speculative decoding live.",
                                 epilog=CLAIM)
     add_engine_args(p, positional_model=True)
@@ -403,10 +403,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def open_engine(args: argparse.Namespace) -> Engine:
     """Pull a registry model if missing, check the options, load the engine (before the app starts)."""
-    from eesd_local.api import load
-    from eesd_local.commands.options import engine_config
-    from eesd_local.params import check_sampling
-
     check_sampling(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)  # as the engine will
     if args.n_ctx < 64:
         raise EesdError(f"--n-ctx must be at least 64 tokens, got {args.n_ctx}", hint="e.g. --n-ctx 4096")

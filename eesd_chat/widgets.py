@@ -11,9 +11,8 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Label, Markdown, Static
 
-from eesd_local.spec.events import Stats
-
 from eesd_chat.session import Answer
+from eesd_local.spec.events import Stats
 
 # token provenance colours: accepted draft, the target's own token, bonus after a fully accepted draft
 SOURCE_STYLE = {"draft": "bold #7ee787", "target": "#f0b35a", "bonus": "bold #79c0ff"}

@@ -20,13 +20,13 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    # the engine pulls in llama.cpp; import it only when asked for
+    # PEP 562: `import eesd_local` stays light; the engine (llama.cpp, numba) loads when asked for
     if name in ("load", "LLM"):
-        from eesd_local import api
+        from eesd_local import api  # noqa: PLC0415 - lazy public API: llama.cpp and numba load on first use
 
         return getattr(api, name)
     if name in ("Engine", "EngineConfig"):
-        from eesd_local.spec import engine
+        from eesd_local.spec import engine  # noqa: PLC0415 - lazy public API, as above
 
         return getattr(engine, name)
     raise AttributeError(name)

@@ -16,9 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from eesd_local.params import ParamError, check_sampling, show
 from eesd_local.spec.engine import Engine, EngineConfig
 from eesd_local.spec.events import FinishEvent, TokenEvent
-from eesd_local.params import ParamError, check_sampling, show
+from eesd_local.tools.prepare import prepare
 
 
 class LLM(Engine):
@@ -39,11 +40,15 @@ class LLM(Engine):
 
 
 def load(model: str | Path = "qwen2.5-coder-0.5b-instruct", **kw: Any) -> LLM:
-    """Open ``model`` (registry name or GGUF path) with a drafter; options as :class:`EngineConfig`."""
+    """Open ``model`` (registry name or GGUF path) with a drafter; options as :class:`EngineConfig`.
+    A registry model not downloaded yet is pulled first, and the files derived from it (a weight
+    variant, a shared trunk's draft vocabulary) are made (:func:`eesd_local.tools.prepare.prepare`)."""
     unknown = set(kw) - set(EngineConfig.__dataclass_fields__)
     if unknown:
         raise TypeError(f"load() got unknown options {sorted(unknown)}")
-    return LLM(EngineConfig(model=str(model), **kw))
+    config = EngineConfig(model=str(model), **kw)
+    prepare(config)
+    return LLM(config)
 
 
 def _cut_stop(text: str, stop: list[str]) -> tuple[str, bool]:

@@ -14,9 +14,11 @@ import importlib
 import os
 import signal
 import sys
+from importlib.metadata import PackageNotFoundError, version
 
 from eesd_local.errors import EesdError
 from eesd_local.interrupts import Terminated, keep_interrupts
+from eesd_local.spec.lossless import CLAIM
 
 COMMAND_MODULES = [
     "eesd_local.commands.models",
@@ -31,8 +33,6 @@ COMMAND_MODULES = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from eesd_local.spec.lossless import CLAIM
-
     parser = argparse.ArgumentParser(prog="eesd", description="Lossless speculative decoding on llama.cpp.", epilog=CLAIM)
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -43,8 +43,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("eesd-local")
     except PackageNotFoundError:

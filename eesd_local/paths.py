@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from importlib import resources
 from pathlib import Path
 
 from eesd_local.errors import EesdError
@@ -35,3 +36,11 @@ def cache_dir(kind: str) -> Path:
 def package_root() -> Path:
     """The directory that holds ``eesd_local`` (the repository root in a checkout)."""
     return Path(__file__).resolve().parent.parent
+
+
+def models_dir() -> Path:
+    """The shipped ``models/`` data: the registry and the trained exit heads."""
+    try:
+        return Path(str(resources.files("eesd_local.models")))
+    except ModuleNotFoundError:  # a plain checkout, not installed
+        return package_root() / "models"

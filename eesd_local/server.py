@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, Literal, TypeVar
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
@@ -39,11 +40,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from eesd_local.api import completion
+from eesd_local.errors import EesdError
+from eesd_local.params import ParamError, check_int, check_optional_int, check_sampling, show
 from eesd_local.spec.controllers import DEFAULT_CONTROLLER
 from eesd_local.spec.drafters import DRAFTERS
 from eesd_local.spec.engine import Engine
-from eesd_local.errors import EesdError
-from eesd_local.params import ParamError, check_int, check_optional_int, check_sampling, show
 
 _R = TypeVar("_R", bound=BaseModel)
 QUEUE = 8  # requests that may wait while one runs; more get 429
@@ -691,8 +692,6 @@ def serve(engine: Engine, *, model_id: str, aliases: tuple[str, ...] = (), host:
           queue_max: int = QUEUE, log_level: str = "info", sock: socket.socket | None = None) -> None:
     """Serve ``engine`` until Ctrl-C; streams still open get a few seconds to end. ``sock``: a socket
     :func:`listen_socket` bound already (else uvicorn binds ``host``:``port`` itself)."""
-    import uvicorn
-
     app = create_app(engine, model_id=model_id, aliases=aliases, queue_max=queue_max)
 
     class Server(uvicorn.Server):

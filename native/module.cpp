@@ -43,7 +43,8 @@ void configure(PyRounds& self, StateArray state, int mode, double temperature, i
     self.cancel = std::move(cancel);
 }
 
-// [(drafted, accepted, next token, t_draft, t_verify, max_n, room before the round, source)]
+// [(drafted, accepted, next token, t_draft, t_verify, max_n, room before the round, source,
+//   rows in the verify batch)]: nine fields a round
 py::list run_batch(PyRounds& self, size_t n_history, int draft_max, int left, int max_rounds) {
     {
         py::gil_scoped_release unlocked;

@@ -1,4 +1,4 @@
-// The speculative round loop in C++ (eesd_local._native.Rounds): draft, ONE batched verify,
+// The speculative round loop in C++ (eesd_local._native.Rounds): draft, one batched verify,
 // accept, KV rollback, against the libllama that llama-cpp-python loaded. The contexts belong
 // to Python (their pointers arrive as integers); the controller is the Numba code of
 // eesd_local.spec.controllers, called through cfunc pointers on its float64 state array. Every

@@ -24,14 +24,14 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
+from eesd_local.llama.runtime import Context, ContextParams, Model
+
 KS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 
 
 def worker(model_path: str, threads: int) -> dict:
-    import numpy as np
-
-    from eesd_local.llama.runtime import Context, ContextParams, Model
-
     model = Model(model_path)
     ctx = Context(model, ContextParams(n_ctx=2048, n_threads=threads))
     text = ("Write a Python class for a bounded LRU cache with get, put and delete; explain the design, "

@@ -10,8 +10,8 @@ import argparse
 import time
 
 import eesd_local
-from eesd_local.tools.bench.prompts import load_prompts
 from eesd_local.spec.events import TokenEvent
+from eesd_local.tools.bench.prompts import load_prompts
 
 METHODS = {
     "none": dict(drafter="none"),

@@ -8,8 +8,9 @@ One source for everything: the llama-cpp-python sdist (downloaded once by pip in
 checked against its sha256), with eesd-local's patch applied (native/patches/*.patch, in name
 order; see the patch's header: batch-invariant decode batches on the CPU). `install` builds
 llama-cpp-python from it with the RPC backend on and the multimodal library off, plus whatever
-CMAKE_ARGS the environment holds (a GPU backend, say), and records what it built in
-llama_cpp/lib/eesd-build.json. `tools` builds llama.cpp's own llama-server and rpc-server from the
+CMAKE_ARGS the environment holds (a GPU backend, say), into a wheel kept under build/wheels
+(installed again from there, with no compile, until the source, the patch or the flags change),
+and records what it built in llama_cpp/lib/eesd-build.json. `tools` builds llama.cpp's own llama-server and rpc-server from the
 same patched source with the same CMAKE_ARGS into build/llama-tools/KEY/bin, KEY naming the
 source, the patch and the flags: built once, reused until one of them changes.
 
@@ -31,7 +32,6 @@ import sys
 import tarfile
 import tempfile
 import time
-import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -178,23 +178,60 @@ def install(python: str) -> None:
     if not why:
         print("  llama-cpp-python: already built from the patched source", flush=True)
         return
-    tree = source(python)
     args = cmake_args()
-    env = dict(os.environ, CMAKE_ARGS=" ".join(args))
-    env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
-    print(f"  building llama-cpp-python {VERSION} from the patched source (CMAKE_ARGS={' '.join(args)})", flush=True)
-    # its dependencies first, by name from its pyproject.toml; then the package itself, rebuilt whatever is installed
-    deps = tomllib.loads((tree / "pyproject.toml").read_text())["project"]["dependencies"]
-    res = subprocess.run([python, "-m", "pip", "install", "-q", *deps], capture_output=True, text=True)
+    wheel = built_wheel(args)
+    if wheel is None:
+        wheel = build_wheel(python, args)
+    else:
+        print(f"  llama-cpp-python: installing the wheel built before ({wheel.relative_to(ROOT)})", flush=True)
+    # its dependencies first, by name from the wheel's metadata (pip resolves them); then the package itself
+    res = subprocess.run([python, "-m", "pip", "install", "-q", str(wheel)], capture_output=True, text=True)
     if res.returncode != 0:
         raise BuildError(f"installing llama-cpp-python's dependencies failed: {(res.stderr.strip().splitlines() or [''])[-1]}")
-    run_progress([python, "-m", "pip", "install", "-v", "--force-reinstall", "--no-deps", str(tree)], env=env,
-                 what="compiling llama.cpp")
+    res = subprocess.run([python, "-m", "pip", "install", "-q", "--force-reinstall", "--no-deps", str(wheel)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        raise BuildError(f"installing {wheel.name} failed: {(res.stderr.strip().splitlines() or [''])[-1]}")
     code = "import os, llama_cpp; print(os.path.join(os.path.dirname(llama_cpp.__file__), 'lib'))"
     libdir = Path(subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.strip())
     info = {"version": VERSION, "sdist_sha256": SDIST_SHA256, "patch": patch_digest(), "cmake_args": args,
             "key": build_key(args)}
     (libdir / INFO_NAME).write_text(json.dumps(info, indent=1) + "\n")
+
+
+WHEELS = BUILD / "wheels"  # the built llama-cpp-python wheel, kept for reuse (scripts/wheel_check.sh installs it)
+WHEEL_KEY = WHEELS / "llama-cpp-python.key"  # build_key() of the wheel there
+
+
+def built_wheel(args: list[str]) -> Path | None:
+    """The llama-cpp-python wheel built before from this source, patch and flags, if it is kept."""
+    wheels = sorted(WHEELS.glob(f"llama_cpp_python-{VERSION}-*.whl"))
+    if len(wheels) == 1 and WHEEL_KEY.is_file() and WHEEL_KEY.read_text().strip() == build_key(args):
+        return wheels[0]
+    return None
+
+
+def build_wheel(python: str, args: list[str]) -> Path:
+    """Compile llama-cpp-python from the patched source into a wheel under build/wheels (the one
+    kept there: a wheel of another source, patch or flags is replaced)."""
+    tree = source(python)
+    env = dict(os.environ, CMAKE_ARGS=" ".join(args))
+    env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
+    print(f"  building llama-cpp-python {VERSION} from the patched source (CMAKE_ARGS={' '.join(args)})", flush=True)
+    out = Path(tempfile.mkdtemp(prefix=".wheel-", dir=BUILD))
+    try:
+        run_progress([python, "-m", "pip", "wheel", "-v", "--no-deps", "-w", str(out), str(tree)], env=env,
+                     what="compiling llama.cpp")
+        (wheel,) = out.glob("llama_cpp_python-*.whl")
+        WHEELS.mkdir(parents=True, exist_ok=True)
+        for old in WHEELS.glob("llama_cpp_python-*.whl"):
+            old.unlink()
+        kept = WHEELS / wheel.name
+        os.replace(wheel, kept)
+        WHEEL_KEY.write_text(build_key(args) + "\n")
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    return kept
 
 
 def tools_dir(args: list[str] | None = None) -> Path:

@@ -14,9 +14,9 @@ import argparse
 import collections
 import time
 
-from eesd_local.tools.bench.prompts import load_prompts
 from eesd_local.spec.engine import Engine, EngineConfig
 from eesd_local.spec.events import FinishEvent, RoundEvent
+from eesd_local.tools.bench.prompts import load_prompts
 
 
 def main() -> None:

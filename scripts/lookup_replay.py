@@ -32,14 +32,17 @@ import time
 
 import numpy as np
 
+from eesd_local.spec.controllers import make_controller
+from eesd_local.spec.drafters.lookup import LookupDrafter
+from eesd_local.spec.engine import Engine, EngineConfig
+from eesd_local.spec.events import TokenEvent
+from eesd_local.spec.rounds import Hindsight, round_limit
+from eesd_local.tools.bench.prompts import load_prompts, spread
+from eesd_local.tools.registry import resolve_model
+from eesd_local.tools.weights import batch_costs
+
 
 def collect(args: argparse.Namespace) -> None:
-    from eesd_local.tools.bench.prompts import load_prompts, spread
-    from eesd_local.spec.engine import Engine, EngineConfig
-    from eesd_local.spec.events import TokenEvent
-    from eesd_local.tools.registry import resolve_model
-    from eesd_local.tools.weights import batch_costs
-
     items = []
     for s in args.sets.split(","):
         if not s:
@@ -78,8 +81,6 @@ def collect(args: argparse.Namespace) -> None:
 def replay_one(ctl, drafter, prompt: list[int], answer: list[int], bms: dict[int, float], rng: np.random.Generator,
                draft_max: int, noise: float, stats: collections.Counter, hs=None) -> float:
     """Seconds the answer takes under lookup rounds (plain decoding: len(answer) * B(1))."""
-    from eesd_local.spec.rounds import round_limit
-
     ctl.begin_request()
     drafter.begin(prompt)
     if hs is not None:
@@ -127,9 +128,6 @@ def replay_one(ctl, drafter, prompt: list[int], answer: list[int], bms: dict[int
 
 
 def replay(args: argparse.Namespace) -> None:
-    from eesd_local.spec.controllers import make_controller
-    from eesd_local.spec.drafters.lookup import LookupDrafter
-
     data = json.load(open(args.traces))
     bms = {int(k): v for k, v in data["batch_ms"].items()}
     traces = data["traces"]
@@ -145,7 +143,6 @@ def replay(args: argparse.Namespace) -> None:
         drafter = LookupDrafter(ngram_max=args.ngram_max)
         hs = None
         if ctl.learn_in_hindsight(True):  # as the engine's round loops do for a drafter with free offers
-            from eesd_local.spec.rounds import Hindsight
 
             hs = Hindsight(ctl)
         # warm-up as the bench does: a short request teaches the controller this machine's costs
@@ -184,8 +181,6 @@ def replay(args: argparse.Namespace) -> None:
 
 def best(args: argparse.Namespace) -> None:
     """The best fixed rule per category, in hindsight (no noise, no learning)."""
-    from eesd_local.spec.drafters.lookup import LookupDrafter
-
     data = json.load(open(args.traces))
     rel = {int(k): v / data["batch_ms"]["1"] for k, v in data["batch_ms"].items()}
 

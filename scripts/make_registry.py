@@ -14,8 +14,10 @@ import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from eesd_local.tools import registry  # noqa: E402
+from gguf import GGUFReader
+
 from eesd_local.paths import cache_dir  # noqa: E402
+from eesd_local.tools import registry  # noqa: E402
 
 MODELS = [
     ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-0.5b-instruct.gguf",
@@ -31,7 +33,6 @@ MODELS = [
 
 
 def gguf_arch(path: Path) -> str:
-    from gguf import GGUFReader
     reader = GGUFReader(str(path))
     field = reader.fields["general.architecture"]
     return bytes(field.parts[field.data[0]]).decode()

@@ -13,6 +13,14 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 step() { printf '\n==> %s\n' "$*"; }
 
+# the tests' system tools: tmux (the real-terminal check of eesd-chat) and the arm64 cross-compiler
+# (the arm64 compile check of native/); scripts/test.sh installs nothing, and skips those two without them
+if ! command -v tmux >/dev/null 2>&1 || ! command -v aarch64-linux-gnu-g++ >/dev/null 2>&1; then
+  step "installing tmux and g++-aarch64-linux-gnu for the tests (apt-get)"
+  (apt-get update -qq && apt-get install -y -qq tmux g++-aarch64-linux-gnu) >/dev/null 2>&1 \
+    || echo "note: could not install tmux / g++-aarch64-linux-gnu: two tests will be skipped"
+fi
+
 if [ ! -x .venv/bin/python ]; then
   step "creating .venv with $($PY --version)"
   "$PY" -m venv .venv

@@ -21,10 +21,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eesd_local.tools.heads import data, evaluate, teacher, train
 from eesd_local.gguf.headfile import fingerprint  # noqa: E402
-from eesd_local.paths import cache_dir  # noqa: E402
-from eesd_local.paths import models_dir
+from eesd_local.paths import (
+    cache_dir,  # noqa: E402
+    models_dir,
+)
+from eesd_local.tools.heads import data, evaluate, teacher, train
 from eesd_local.tools.registry import resolve_model  # noqa: E402
 
 # model -> (exit layer, teacher settings, training settings)

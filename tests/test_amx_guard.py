@@ -32,13 +32,14 @@ def test_extra_buffer_types_are_off_only_with_amx(monkeypatch):
 
 
 def test_every_loader_in_the_process_gets_the_guarded_defaults(monkeypatch):
+    runtime.guard_model_defaults()  # what every Model does first (runtime.setup_process); conftest did it too
     # llama_cpp.Llama reads llama_cpp.llama_cpp's function, our loaders the package's: both are guarded
     assert raw.llama_model_default_params is llama_cpp.llama_model_default_params
     for env, want in (("0", False), ("1", True)):
         monkeypatch.setenv("EESD_EXTRA_BUFTS", env)
         assert raw.llama_model_default_params().use_extra_bufts is want
     guarded = raw.llama_model_default_params
-    runtime._guard_model_defaults()  # idempotent: no second wrapper around the first
+    runtime.guard_model_defaults()  # idempotent: no second wrapper around the first
     assert raw.llama_model_default_params is guarded
     monkeypatch.delenv("EESD_EXTRA_BUFTS")
     assert raw.llama_model_default_params().use_extra_bufts is runtime.extra_bufts_allowed()

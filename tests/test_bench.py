@@ -9,10 +9,13 @@ import pytest
 
 import eesd_local
 from eesd_local import cli
+from eesd_local.errors import EesdError
+from eesd_local.gguf.reader import bytes_read_per_token
+from eesd_local.spec.events import Stats
 from eesd_local.tools.bench import REQUIRED_KEYS, PromptItem, load_prompts, runner
 from eesd_local.tools.bench.methods import EngineMethod, MethodSpec, Sampling, parse_methods
 from eesd_local.tools.bench.prompts import CHAT_KINDS, chat_kind, chat_set, code_set, rewrite_set
-from eesd_local.errors import EesdError
+from eesd_local.tools.bench.report import projected_speedup
 from eesd_local.tools.heads.data import heldout_sharegpt_range, is_heldout_module, sharegpt_records
 
 from .conftest import QWEN05
@@ -156,10 +159,6 @@ def test_tiny_run_through_the_cli(tmp_path, qwen05_path):
 
 
 def test_projection_charges_a_model_source_its_share_of_the_weights(qwen05_path):
-    from eesd_local.tools.bench.report import projected_speedup
-    from eesd_local.spec.events import Stats
-    from eesd_local.gguf.reader import bytes_read_per_token
-
     st = Stats()
     st.record_round(4, 3, 4, "eesd")  # 3 of 4 drafts kept and a correction: 4 tokens
     st.record_round(2, 2, 3, "lookup")  # both kept and the bonus: 3 tokens

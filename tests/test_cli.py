@@ -3,15 +3,20 @@ error (exit code 2, no traceback) for each bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import llama_cpp
 import pytest
 
 from eesd_local.api import load
+from eesd_local.commands.options import ENGINE_FLAGS
+from eesd_local.spec.engine import EngineConfig
 
 from .conftest import QWEN05
 
@@ -110,9 +115,6 @@ def test_models_list_shows_presence(qwen05_path):
 
 def test_interrupt_is_clean(qwen05_path, tmp_path):
     """Ctrl-C mid-answer: exit 130, no traceback, no file left behind."""
-    import signal
-    import time
-
     proc = subprocess.Popen([sys.executable, "-m", "eesd_local.cli", "generate", "--model", QWEN05, "--prompt", "def f(x):",
                              "--max-tokens", "400", "--drafter", "lookup"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
@@ -144,9 +146,5 @@ def test_no_half_written_model_after_failed_pull(tmp_path):
 
 def test_every_engine_option_is_a_flag():
     """The engine flags map one-to-one onto EngineConfig (but the controller's seed)."""
-    import dataclasses
-
-    from eesd_local.commands.options import ENGINE_FLAGS
-    from eesd_local.spec.engine import EngineConfig
 
     assert set(ENGINE_FLAGS) == {f.name for f in dataclasses.fields(EngineConfig)} - {"seed"}

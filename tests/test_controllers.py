@@ -12,9 +12,11 @@ import textwrap
 import numpy as np
 import pytest
 
-from eesd_local.spec.controllers import CONTROLLER_CHOICES, DEFAULT_CONTROLLER, make_controller
 from eesd_local.errors import EesdError
-from eesd_local.tools.simulator import decision_cost, decision_trace
+from eesd_local.spec.controllers import CONTROLLER_CHOICES, DEFAULT_CONTROLLER, make_controller
+from eesd_local.spec.controllers import layout as L
+from eesd_local.tools.simulate_sources import SOURCE_PROCESSES, run
+from eesd_local.tools.simulator import PROFILES, decision_cost, decision_trace
 
 SPECS = ["cost-ts", "beta-ts", "calibration-ts", "beta-ts:paper", "calibration-ts:paper", "fixed:3", "pmin:0.6", "heuristic"]
 
@@ -207,8 +209,6 @@ def play_sources(ctrl, rounds: int, *, lookup_offer: float, lookup_accept: float
     offers 8 tokens in a share ``lookup_offer`` of rounds) and a model drafter (``model_cost`` of a
     target token per draft, 5 tokens behind when it resumes); verifying b tokens costs
     1 + verify_slope (b - 1) target tokens. Returns (source, drafted) per round."""
-    from eesd_local.spec.controllers import layout as L
-
     rng = np.random.default_rng(seed)
     out = []
     idle = 0
@@ -239,8 +239,6 @@ def _share(rounds, src) -> float:
 
 
 def test_several_sources_lookup_drafts_where_it_pays_the_model_where_it_pays():
-    from eesd_local.spec.controllers import layout as L
-
     # a CPU: batches cost (slope 0.45), the model's drafts cost 0.35 each and are rarely right, lookup's are free and right
     ctrl = make_controller("cost-ts", sources=2, seed=1)
     cpu = play_sources(ctrl, 600, lookup_offer=0.9, lookup_accept=0.9, model_accept=0.3, model_cost=0.35, verify_slope=0.45)
@@ -276,8 +274,6 @@ def test_several_sources_follow_a_switch_from_copying_to_prose():
 
 
 def test_several_sources_spec_and_baselines():
-    from eesd_local.spec.controllers import layout as L
-
     with pytest.raises(EesdError, match="sources"):
         make_controller("cost-ts", sources=3)
     ctrl = make_controller("fixed:3", sources=2)  # a baseline rule does not choose: the drafter takes its default
@@ -291,8 +287,6 @@ def test_a_new_request_probes_before_it_drafts_long():
     """Acceptance is the request's own: after a copy-heavy request the next one starts with
     one-token probes (free for lookup), and its theta_1 keeps only a few observations of the old
     requests, so a few rounds of the new one move it; the machine's costs are kept."""
-    from eesd_local.spec.controllers import layout as L
-
     ctrl = make_controller("cost-ts", sources=2, seed=5)
     play_sources(ctrl, 200, lookup_offer=1.0, lookup_accept=0.95, model_accept=0.3, model_cost=0.35, verify_slope=0.45)
     lookup = ctrl.state[L.MULTI_HEAD : L.MULTI_HEAD + int(L.thompson_size(ctrl.max_draft))]
@@ -312,8 +306,6 @@ def test_a_model_far_behind_is_not_probed_as_if_catching_up_were_free():
     """Catching a draft model up costs before it was ever measured (prime_resume: the engine's
     guess from the prefill): a model 400 tokens behind is then probed far less often than one
     whose catch-up is taken as free."""
-    from eesd_local.spec.controllers import layout as L
-
     def model_picks(prime: float) -> int:
         ctrl = make_controller("cost-ts", sources=2, seed=3)  # the model's draft cost is not known yet
         ctrl.prime_resume(prime)
@@ -377,9 +369,6 @@ def test_a_model_source_resumes_after_another_source_drafted_for_a_while():
     stretch it drafts once resumed, not all to the one round that resumes it: else its catch-up grows
     with every round it sits out and it never resumes (prose on a GPU: lookup offers in half the rounds,
     15% right; the model is 35% right at 0.1 of a token: auto fell to lookup's 1.08 on some seeds)."""
-    from eesd_local.tools.simulate_sources import SOURCE_PROCESSES, run
-    from eesd_local.tools.simulator import PROFILES
-
     for seed in (1, 2, 3, 4):
         model = run("model", SOURCE_PROCESSES["prose"], PROFILES["gpu-d0.1"], seed=seed)["tokens_per_token_time"]
         auto = run("auto", SOURCE_PROCESSES["prose"], PROFILES["gpu-d0.1"], seed=seed)["tokens_per_token_time"]

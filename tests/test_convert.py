@@ -26,13 +26,14 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from eesd_local.cli import main
-from eesd_local.tools.convert import convert
 from eesd_local.errors import EesdError
 from eesd_local.gguf.headfile import base_block_tensors, build_draft, fingerprint, head_tensors, read_head_info
-from eesd_local.paths import cache_dir
 from eesd_local.llama.catalog import DEFAULT_MODEL, get_spec
+from eesd_local.paths import cache_dir
+from eesd_local.tools.convert import convert
 
 # real text: English prose and Python source from the standard library
 TEXT = argparse.__doc__.strip()[:600] + "\n\n" + inspect.getsource(textwrap.indent)
@@ -149,8 +150,6 @@ def test_round_trip_tokenization(pair):
 @pytest.fixture(scope="module")
 def tiny_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A byte-level BPE tokenizer trained here on stdlib source (~500 tokens), Qwen2-style split."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
@@ -241,8 +240,6 @@ def test_tiny_qwen2_tied_embeddings_and_biases(tiny_tokenizer, tmp_path):
 
 
 def test_tiny_tokenizer_matches_tokenizers_library(tiny_llama, tmp_path):
-    from tokenizers import Tokenizer
-
     directory, _ = tiny_llama
     out = convert(directory, tmp_path / "tiny.gguf")
     hf = Tokenizer.from_file(str(directory / "tokenizer.json"))
@@ -255,7 +252,7 @@ def test_tiny_tokenizer_matches_tokenizers_library(tiny_llama, tmp_path):
 
 
 def _save_head(directory: Path, model, layer: int, info: dict, lm_head: bool = True) -> Path:
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # noqa: PLC0415 - optional (train extra)
 
     state = {k: v.contiguous() for k, v in model.state_dict().items()
              if k.startswith(f"model.layers.{layer}.") or k == "model.norm.weight" or (lm_head and k == "lm_head.weight")}

@@ -21,6 +21,7 @@ from eesd_local.cli import main
 from eesd_local.errors import EesdError
 from eesd_local.tools.heads import corpus
 from eesd_local.tools.heads.corpus import Answer, CorpusWarning, ModelStamp
+from eesd_local.tools.heads.teacher import chat_formatter
 
 from .test_heads import DEMO, needs_demo, write_tiny_model
 
@@ -242,8 +243,6 @@ def test_cli_grow_stops_at_the_size_budget_and_info_reports(tiny, capsys):
 
 @needs_demo
 def test_real_model_answers_two_prompts(prompts, tmp_path):
-    from eesd_local.tools.heads.teacher import chat_formatter
-
     folder = tmp_path / "c"
     cfg = corpus.GrowConfig(n_parallel=2, max_new=8, max_prompt=2048)
     report = corpus.grow(DEMO, folder, cfg, items=prompts[:2])

@@ -14,6 +14,7 @@ import pytest
 
 import eesd_local
 from eesd_local.errors import EesdError
+from eesd_local.spec.drafters.base import NativeSpec, Proposal
 from eesd_local.spec.events import FinishEvent, TokenEvent
 
 from .conftest import QWEN05
@@ -315,16 +316,12 @@ class _EveryOther:
         pass
 
     def propose(self, history, want_more, max_n, params, rng):
-        from eesd_local.spec.drafters.base import Proposal
-
         prop = Proposal()
         if max_n > 0 and len(history) >= 2 and want_more(0, 1.0):
             prop.add(history[-2], None, 0.5)
         return prop
 
     def native(self):
-        from eesd_local.spec.drafters.base import NativeSpec
-
         return NativeSpec(lookup=(1, 2)) if self._native else None
 
     def close(self):

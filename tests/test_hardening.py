@@ -7,6 +7,7 @@ Fast: the tiny synthetic GGUF stands in wherever a real model is not needed.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import random
@@ -20,11 +21,16 @@ from pathlib import Path
 
 import pytest
 
-from eesd_local.tools import registry
+from eesd_local import cli
 from eesd_local.atomic import atomic_path, remove_stale_temps, write_text_atomic
 from eesd_local.errors import EesdError
-from eesd_local.gguf import ggufraw, headfile
+from eesd_local.gguf import headfile
+from eesd_local.gguf import reader as ggufread
 from eesd_local.gguf.tiny import write_tiny_gguf
+from eesd_local.interrupts import keep_interrupts
+from eesd_local.llama.runtime import Context, ContextParams, Model
+from eesd_local.spec.drafters import resolve_head
+from eesd_local.tools import registry
 
 SHIPPED_HEAD = registry.models_dir() / "qwen2.5-coder-0.5b-instruct.exit6.gguf"
 FUZZ_N = int(os.environ.get("EESD_FUZZ_N", "200"))  # cases per file; CI runs the default, more by hand
@@ -61,7 +67,7 @@ def parse_all(path: Path, head: bool) -> str:
     """Every Python reader over ``path``: 'ok' or 'EesdError'; anything else escapes (a bug)."""
     try:
         registry.check_gguf(path, what="head" if head else "model")
-        ggufraw.read_header(path, keep_strings=("tokenizer.ggml.tokens",))
+        ggufread.read_header(path, keep_strings=("tokenizer.ggml.tokens",))
         if head:
             headfile.read_head_info(path)
             headfile.head_tensors(path)
@@ -77,7 +83,7 @@ def parse_all(path: Path, head: bool) -> str:
 def test_fuzzed_gguf_gives_eesd_error_or_a_valid_load(which, tiny, tmp_path, isolated_home):
     src = SHIPPED_HEAD if which == "head" else tiny
     data = src.read_bytes()
-    header_end = ggufraw.read_header(src).data_offset
+    header_end = ggufread.read_header(src).data_offset
     target = tmp_path / f"fuzz-{which}.gguf"
     outcomes: dict[str, int] = {}
     for label, blob in mutants(data, header_end, FUZZ_N, FUZZ_SEED):
@@ -124,7 +130,7 @@ def load_in_subprocess(paths: list[str]) -> list[str]:
 def test_fuzzed_gguf_never_crashes_llama_cpp(tiny, tmp_path, isolated_home):
     """The damaged files that reach llama.cpp (through check_gguf) load or fail cleanly."""
     data = tiny.read_bytes()
-    header_end = ggufraw.read_header(tiny).data_offset
+    header_end = ggufread.read_header(tiny).data_offset
     paths = []
     for i, (_, blob) in enumerate(mutants(data, header_end, max(40, FUZZ_N // 3), FUZZ_SEED + 1)):
         p = tmp_path / f"case{i:04d}.gguf"
@@ -136,14 +142,14 @@ def test_fuzzed_gguf_never_crashes_llama_cpp(tiny, tmp_path, isolated_home):
 def test_extreme_hyperparameters_never_crash_llama_cpp(tiny, tmp_path, isolated_home):
     """Every numeric metadata value of the model set to 0, 1, -1, huge or NaN: llama.cpp asserts
     (aborting the process) on some, e.g. block_count 0 and a negative or NaN norm epsilon."""
-    h = ggufraw.read_header(tiny)
+    h = ggufread.read_header(tiny)
     data = tiny.read_bytes()
     extremes = {"<I": (0, 1, 2**31 - 1, 2**32 - 1), "<i": (0, -1, 2**31 - 1), "<Q": (0, 1, 2**64 - 1),
                 "<q": (0, -1), "<f": (0.0, -1.0, float("nan"), 1e30)}
     paths, at = [], 24  # magic, version, n_tensors, n_kv
     for key, raw in h.kv_raw.items():
         n = struct.unpack_from("<Q", raw)[0]
-        fmt = ggufraw._SCALAR.get(struct.unpack_from("<I", raw, 8 + n)[0])
+        fmt = ggufread._SCALAR.get(struct.unpack_from("<I", raw, 8 + n)[0])
         for value in extremes.get(fmt, ()):
             blob = bytearray(data)
             struct.pack_into(fmt, blob, at + 8 + n + 4, value)
@@ -295,10 +301,6 @@ def test_ctrl_c_at_any_time_is_clean(delay, tiny, isolated_home):
 def test_an_interrupt_inside_a_ctypes_callback_is_raised_again_without_a_traceback(monkeypatch, capsys):
     """CPython prints and swallows an exception raised in a ctypes callback (llvmlite's while numba
     compiles, llama.cpp's log): a Ctrl-C that lands there must still stop the program, silently."""
-    import ctypes
-
-    from eesd_local import cli
-    from eesd_local.interrupts import keep_interrupts
 
     monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
     keep_interrupts()
@@ -324,8 +326,6 @@ def test_an_interrupt_inside_a_ctypes_callback_is_raised_again_without_a_traceba
 
 @pytest.fixture(scope="module")
 def tiny_model(tiny):
-    from eesd_local.llama.runtime import Model
-
     model = Model(tiny)
     yield model
     model.close()
@@ -363,8 +363,6 @@ def test_prompt_with_undecodable_bytes_from_stdin(tiny, isolated_home, io_encodi
 
 @pytest.mark.parametrize("n_ctx", [0, -1])
 def test_ctx_must_be_positive(tiny_model, n_ctx):
-    from eesd_local.llama.runtime import Context, ContextParams
-
     with pytest.raises(EesdError, match="--n-ctx must be a positive number of tokens"):
         Context(tiny_model, ContextParams(n_ctx=n_ctx))
 
@@ -379,8 +377,6 @@ def test_ctx_negative_from_the_cli(tiny, isolated_home):
 
 @pytest.mark.parametrize("bad", [-1, 300, 10**9])
 def test_token_ids_out_of_range(tiny_model, bad):
-    from eesd_local.llama.runtime import Context, ContextParams
-
     ctx = Context(tiny_model, ContextParams(n_ctx=64, n_threads=1))
     try:
         with pytest.raises(EesdError, match=f"token id {bad} \\(position 2 of 3\\).*0 to 299"):
@@ -401,8 +397,6 @@ def test_token_ids_out_of_range_in_the_vocabulary_calls(tiny_model):
 
 
 def test_missing_head_says_pass_a_head_path(tiny, isolated_home, tmp_path):
-    from eesd_local.spec.drafters import resolve_head
-
     with pytest.raises(EesdError) as err:
         resolve_head(str(tmp_path / "missing.gguf"))
     assert "exit-head file not found" in err.value.message

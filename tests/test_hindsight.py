@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 import eesd_local
+from eesd_local.gguf.tiny import write_tiny_gguf
 from eesd_local.spec.controllers import layout as L
 from eesd_local.spec.controllers import make_controller
 from eesd_local.spec.controllers.thompson import MATCH_PRIOR, MATCH_REQUEST_EVIDENCE, match_class, match_prior_mean
 from eesd_local.spec.drafters.lookup import MATCH_CAP, LookupDrafter
 from eesd_local.spec.events import RoundEvent, TokenEvent
 from eesd_local.spec.rounds import Hindsight
-from eesd_local.gguf.tiny import write_tiny_gguf
 from eesd_local.tools.weights import batch_costs
 
 T = 0.02  # seconds of a plain target token in the made-up costs below

@@ -7,17 +7,22 @@ from __future__ import annotations
 import itertools
 import subprocess
 import sys
+import threading
 
+import llama_cpp as lc
 import numpy as np
 import pytest
 
 import eesd_local
-from eesd_local.spec import native_round
 from eesd_local.errors import EesdError
+from eesd_local.gguf.tiny import write_tiny_gguf
+from eesd_local.llama.runtime import Context, ContextParams, Model
+from eesd_local.spec import native_round
+from eesd_local.spec.controllers import layout
+from eesd_local.spec.controllers.cfuncs import addresses
 from eesd_local.spec.events import FinishEvent, RoundEvent, TokenEvent
 from eesd_local.spec.rounds import round_limit
 from eesd_local.spec.sampling import SamplingParams, TokenRNG, probs
-from eesd_local.gguf.tiny import write_tiny_gguf
 
 from .conftest import QWEN05
 
@@ -91,8 +96,6 @@ def test_native_equals_python_on_the_demo_model(name, monkeypatch):
 def test_probe_rounds_native_equals_python_and_plain(name, k, monkeypatch):
     """Rounds verified without the bonus (cost-ts's probes; here forced on fixed:k for every round):
     the same tokens in both loops, greedy output equal to plain decoding, rounds that end on a draft."""
-    from eesd_local.spec.controllers import layout
-
     spec = dict(DRAFTERS[name], controller=f"fixed:{k}")
     with eesd_local.load(QWEN05, n_ctx=1024, **spec) as eng:
         eng.controller.state[layout.NO_BONUS] = 1.0  # fixed controllers never reset it
@@ -112,8 +115,6 @@ def test_probe_rounds_native_equals_python_and_plain(name, k, monkeypatch):
 
 def test_probs_agree_with_numpy(qwen05_path):
     """Same filters, same tie rule; exp and sums may differ in the last bit (numpy's SIMD exp)."""
-    from eesd_local.llama.runtime import Context, ContextParams, Model
-
     model = Model(qwen05_path)
     ctx = Context(model, ContextParams(n_ctx=128))
     ctx.decode(model.tokenize("def fibonacci(n):\n    "))
@@ -199,8 +200,6 @@ def test_tiny_native_equals_python(tiny, drafter, monkeypatch):
 
 
 def test_kv_records_stay_consistent(tiny, monkeypatch):
-    import llama_cpp as lc
-
     target, draft = tiny
     monkeypatch.setenv("EESD_NATIVE", "1")
     with eesd_local.load(target, drafter="hierarchical", draft_model=draft, n_ctx=2048, controller="fixed:4") as eng:
@@ -231,8 +230,6 @@ def test_fallback_and_notice(tiny, monkeypatch):
 
 
 def test_bad_input_raises_never_crashes(tiny, monkeypatch):
-    from eesd_local.spec.controllers.cfuncs import addresses
-
     target, _ = tiny
     monkeypatch.setenv("EESD_NATIVE", "1")
     with eesd_local.load(target, drafter="none", n_ctx=512) as eng:
@@ -356,8 +353,6 @@ def test_stop_string_inside_a_batch(tiny, monkeypatch):
 
 def test_cancel_stops_a_running_batch(tiny, monkeypatch):
     """cancel() from another thread ends the batch being run after its current round."""
-    import threading
-
     target, _ = tiny
     monkeypatch.setenv("EESD_NATIVE", "1")
     with eesd_local.load(target, drafter="none", n_ctx=4096, batch_ms=600_000.0) as eng:

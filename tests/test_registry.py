@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from eesd_local.tools import registry
 from eesd_local.errors import EesdError
+from eesd_local.tools import registry
 
 # a fake model file, split into two parts: a GGUF v3 header (no tensors, no metadata), then filler
 PAYLOAD = b"GGUF" + struct.pack("<IQQ", 3, 0, 0) + bytes(range(256)) * 300

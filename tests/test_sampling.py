@@ -5,6 +5,9 @@ and deterministic (lookup) proposals."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -161,15 +164,13 @@ def test_a_probe_without_the_bonus_keeps_the_target_distribution(rows):
     assert verify_greedy(l1[None, :], [int(np.argmax(l1))], bonus=False) == (1, -1)
 
 
-def test_malloc_tuning_is_applied_and_can_be_turned_off():
-    import subprocess
-    import sys
-
-    code = "import eesd_local.llama.runtime, eesd_local.llama.memtune as m; print(m._done)"
+def test_malloc_tuning_is_applied_by_setup_not_by_import_and_can_be_turned_off():
+    code = ("import eesd_local.llama.runtime as r, eesd_local.llama.memtune as m; before = m._done; "
+            "r.setup_process(); print(before, m._done)")
     on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
-    env = {**__import__("os").environ, "EESD_MALLOC_TUNE": "0"}
+    env = {**os.environ, "EESD_MALLOC_TUNE": "0"}
     off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout.strip()
-    assert (on, off) == ("True", "False")
+    assert (on, off) == ("False True", "False False")
 
 
 def test_top_p_after_top_k_stays_within_the_top_k(rows):

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from eesd_local.commands import simulate as simulate_command
-from eesd_local.spec.controllers import make_controller
 from eesd_local.errors import EesdError
+from eesd_local.spec.controllers import make_controller
+from eesd_local.tools.simulate_sources import POLICIES, SOURCE_PROCESSES, run
 from eesd_local.tools.simulator import PROCESSES, PROFILES, SWITCH, T_TOKEN, adaptation, best_fixed, simulate, throughput
 
 STATIONARY = [name for name, p in PROCESSES.items() if p.kind != SWITCH]
@@ -137,9 +138,6 @@ def test_cli_rejects_unknown_names():
 
 
 def test_auto_keeps_up_with_the_best_single_source_on_every_process_and_profile():
-    from eesd_local.tools.simulate_sources import POLICIES, SOURCE_PROCESSES, run
-    from eesd_local.tools.simulator import PROFILES
-
     # four seeds: a rare costly event (a probe that catches a model up on a thousand tokens, a model
     # locked out by its growing catch-up) shows on one seed in four, and costs a user 5-15% when it does
     for pname, proc in SOURCE_PROCESSES.items():
@@ -153,9 +151,6 @@ def test_auto_keeps_up_with_the_best_single_source_on_every_process_and_profile(
 
 
 def test_auto_drafts_with_the_source_that_pays():
-    from eesd_local.tools.simulate_sources import SOURCE_PROCESSES, run
-    from eesd_local.tools.simulator import PROFILES
-
     gpu = run("auto", SOURCE_PROCESSES["model-pays"], PROFILES["gpu-d0.1"], seed=2)
     assert gpu["model_rounds"] > 0.8 * gpu["rounds"]  # the exit head drafts where it is right and cheap
     cpu = run("auto", SOURCE_PROCESSES["model-pays"], PROFILES["cpu-d0.35"], seed=2)

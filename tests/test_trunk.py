@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 
 import eesd_local
-from eesd_local.tools import heads
-from eesd_local.llama import trunk
 from eesd_local.errors import EesdError
-from eesd_local.spec.events import TokenEvent
-from eesd_local.gguf import ggufraw, headfile
+from eesd_local.gguf import headfile, writer
+from eesd_local.gguf import reader as ggufread
+from eesd_local.llama import trunk
 from eesd_local.llama.runtime import Context, ContextParams, Model
+from eesd_local.spec.events import TokenEvent
 from eesd_local.spec.sampling import SamplingParams, probs
+from eesd_local.tools import heads
 
 from .conftest import QWEN05
 from .test_sampling import chi2_critical, chi2_stat, run_spec
@@ -182,15 +183,15 @@ def test_an_interrupted_derivation_leaves_nothing_and_the_next_run_rebuilds(qwen
                                                                            failure):
     vocab = np.arange(1000, dtype=np.int32)
     head = heads.find_head(qwen05_path)
-    real = ggufraw.write_gguf
+    real = writer.write_from
 
-    def breaking(fh, kv, tensors, alignment=32):
-        fh.write(b"GGUF" + b"\0" * 4096)  # part of the file is written, then the failure
+    def breaking(path, base, **kw):
+        Path(path).write_bytes(b"GGUF" + b"\0" * 4096)  # part of the file is written, then the failure
         if failure == "ctrl-c":
             raise KeyboardInterrupt
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ggufraw, "write_gguf", breaking)
+    monkeypatch.setattr(writer, "write_from", breaking)
     if failure == "ctrl-c":
         with pytest.raises(KeyboardInterrupt):
             trunk.build_trunk(qwen05_path, head, vocab)
@@ -199,9 +200,9 @@ def test_an_interrupted_derivation_leaves_nothing_and_the_next_run_rebuilds(qwen
             trunk.build_trunk(qwen05_path, head, vocab)
     drafts = isolated_home / "drafts"
     assert list(drafts.iterdir()) == []  # neither the file nor its temp
-    monkeypatch.setattr(ggufraw, "write_gguf", real)
+    monkeypatch.setattr(writer, "write_from", real)
     path = trunk.build_trunk(qwen05_path, head, vocab)
-    h = ggufraw.read_header(path)
+    h = ggufread.read_header(path)
     assert h.tensors["token_embd.weight"].dims[1] == 1000 and h.kv["tokenizer.ggml.model"] == "none"
 
 

@@ -14,13 +14,15 @@ import asyncio
 import json
 import time
 
+import gguf
+import numpy as np
 import pytest
 
 from eesd_chat.app import ChatApp, ChatOptions, main, swap_controller, swap_drafter
 from eesd_chat.widgets import SOURCE_STYLE, AnswerView, SpeculationPanel
-from eesd_local.tools import heads
 from eesd_local.api import load
 from eesd_local.spec.events import TokenEvent
+from eesd_local.tools import heads
 
 from .conftest import QWEN05
 from .scripted import ScriptedEngine
@@ -289,9 +291,6 @@ def test_terminal_too_small_shows_a_message(engine):
 
 def fake_head_for_another_model(path):
     """A head file's metadata (no trained weights) claiming another base model."""
-    import gguf
-    import numpy as np
-
     w = gguf.GGUFWriter(str(path), "eesd-head")
     w.add_uint32("eesd.head.format", 1)
     w.add_string("eesd.head.base_arch", "gemma3")

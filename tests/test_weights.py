@@ -3,6 +3,7 @@ and speculation staying lossless on a requantised model."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -10,12 +11,17 @@ import sys
 import time
 from pathlib import Path
 
+import llama_cpp
 import pytest
 
-from eesd_local.tools import registry, weights
+from eesd_local.api import load
 from eesd_local.atomic import remove_stale_temps
+from eesd_local.cli import main
 from eesd_local.errors import EesdError
 from eesd_local.gguf.tiny import write_tiny_gguf
+from eesd_local.spec.events import TokenEvent
+from eesd_local.tools import registry, weights
+from eesd_local.tools.bench.prompts import load_prompts
 
 from .conftest import QWEN05
 
@@ -58,10 +64,6 @@ def test_batch_costs_on_the_tiny_model(tiny):
 
 
 def test_costs_command_writes_json(tiny, tmp_path, capsys):
-    import json
-
-    from eesd_local.cli import main
-
     out = tmp_path / "costs.json"
     assert main(["models", "costs", str(tiny), "--max-k", "3", "--repeats", "1", "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())
@@ -121,8 +123,6 @@ def test_registry_flow_builds_the_variant(q4_home, monkeypatch):
 
 
 def test_variant_loads_in_plain_llama_cpp_python(q4_home):
-    import llama_cpp
-
     llm = llama_cpp.Llama(model_path=str(_variant(q4_home)), vocab_only=False, n_ctx=256, verbose=False)
     try:
         out = llm("def add(a, b):", max_tokens=8, temperature=0.0)
@@ -132,10 +132,6 @@ def test_variant_loads_in_plain_llama_cpp_python(q4_home):
 
 
 def test_speculation_stays_exact_on_the_variant(q4_home):
-    from eesd_local.api import load
-    from eesd_local.tools.bench.prompts import load_prompts
-    from eesd_local.spec.events import TokenEvent
-
     path = _variant(q4_home)
     item = load_prompts("rewrite", n_per_category=2)[0]
     with load(str(path), drafter="none") as plain_eng, load(str(path), drafter="lookup") as spec_eng:

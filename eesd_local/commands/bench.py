@@ -7,19 +7,27 @@ figures for other tools. Ctrl-C stops the run and reports what was measured so f
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 import time
 from pathlib import Path
 
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
 from eesd_local.atomic import check_overwrite, write_text_atomic
-from eesd_local.tools.bench.methods import METHOD_HELP
-from eesd_local.tools.bench.prompts import BUILTIN_SETS
-from eesd_local.tools.bench.runner import BenchConfig
-from eesd_local.tools.bench.servers import SPEC_TYPES
+from eesd_local.commands.models import pull_with_progress
 from eesd_local.defaults import DRAFT_MAX, N_CTX
 from eesd_local.errors import EesdError
 from eesd_local.llama.catalog import DEFAULT_MODEL, known_models
+from eesd_local.tools.bench import report
+from eesd_local.tools.bench.methods import METHOD_HELP
+from eesd_local.tools.bench.plots import PLOTS, write_plots
+from eesd_local.tools.bench.prompts import BUILTIN_SETS
+from eesd_local.tools.bench.runner import BenchConfig, run_bench
+from eesd_local.tools.bench.servers import SPEC_TYPES
 
 # flag -> BenchConfig field (the argparse dest), in the order the command line is written back
 _FLAGS = (
@@ -110,8 +118,6 @@ def command_line(cfg: BenchConfig, args: argparse.Namespace) -> str:
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
-    from eesd_local.tools.bench.plots import PLOTS
-
     for out in (args.json, args.markdown):
         if out:
             check_overwrite(Path(out), args.force)
@@ -121,13 +127,6 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    from eesd_local.tools.bench import report
-    from eesd_local.tools.bench.runner import run_bench
-    from eesd_local.commands.models import pull_with_progress
-
     cfg = bench_config(args)
     if cfg.n_prompts < 0:
         raise EesdError(f"--n-prompts must be 0 (all) or more, got {cfg.n_prompts}")
@@ -164,8 +163,6 @@ def run(args: argparse.Namespace) -> int:
         out.print(table)
     peers = report.peers_rows(res, summary)
     if peers is not None:
-        from rich.table import Table
-
         head, rows = peers
         t = Table(title="tokens/s over plain llama-server's (serve: rows over serve:llama-server's)", title_justify="left")
         for col in head:
@@ -185,8 +182,6 @@ def run(args: argparse.Namespace) -> int:
         out.print(f"  {name}: drafter {info.drafter}, controller {info.controller}, model {info.model_bytes / 1e6:.0f} MB")
     command = command_line(cfg, args)
     if args.json:
-        import json
-
         # a NumPy scalar that slipped into the figures is written as its number, not lost with the run
         write_text_atomic(args.json, json.dumps(report.to_json(res, command), indent=1,
                                                 default=lambda o: o.item() if hasattr(o, "item") else str(o)) + "\n")
@@ -195,8 +190,6 @@ def run(args: argparse.Namespace) -> int:
         write_text_atomic(args.markdown, f"`{command}`\n\n" + report.markdown(res, summary))
         err.print(f"wrote {args.markdown}")
     if args.plots and res.runs:
-        from eesd_local.tools.bench.plots import write_plots
-
         for path in write_plots(res, summary, Path(args.plots), Path(res.model_path).stem):
             err.print(f"wrote {path}")
     if not res.complete:

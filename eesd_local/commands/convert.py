@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
 from eesd_local.tools.convert import OUTTYPES, convert, default_head_out
 
 
@@ -24,9 +27,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
     with Progress(
         TextColumn("[bold]converting"),
         BarColumn(),

@@ -8,10 +8,10 @@ import signal
 import sys
 
 from eesd_local.api import load
-from eesd_local.errors import EesdError
-from eesd_local.spec.events import FinishEvent, TokenEvent
-from eesd_local.params import check_sampling
 from eesd_local.commands.options import add_engine_args, add_sampling_args, engine_config
+from eesd_local.errors import EesdError
+from eesd_local.params import check_sampling
+from eesd_local.spec.events import FinishEvent, TokenEvent
 
 
 def register(sub: argparse._SubParsersAction) -> None:

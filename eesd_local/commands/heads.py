@@ -8,11 +8,20 @@ import sys
 import time
 from pathlib import Path
 
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from eesd_local.atomic import check_overwrite
 from eesd_local.errors import EesdError
+from eesd_local.gguf.headfile import build_draft, check_exit_layer, find_head, fingerprint, model_info, read_head_info
+from eesd_local.interrupts import interrupt_for, terminate_as_interrupt
+from eesd_local.llama.catalog import get_spec, is_present, known_models
+from eesd_local.params import MAX_THREADS, check_int, check_number
+from eesd_local.paths import cache_dir, models_dir
+from eesd_local.tools.heads import corpus, data, evaluate, teacher, train
 from eesd_local.tools.heads.corpus import DEFAULT_MAX_MB, GrowConfig
 from eesd_local.tools.heads.data import DEFAULT_MIX, DEFAULT_TRAIN_VOCAB, MIXES
-from eesd_local.interrupts import interrupt_for, terminate_as_interrupt
-from eesd_local.params import MAX_THREADS, check_int, check_number
+from eesd_local.tools.registry import resolve_model
 
 MAX_NEW = 1024  # answer tokens per prompt: the draft is run over prompt (up to 1024 tokens) + answer in 2048
 MAX_PARALLEL = 256  # sequences in one llama.cpp context; each holds max_prompt + max_new cells of KV
@@ -119,8 +128,6 @@ def _register_corpus(sub) -> None:
 
 
 def _head_for(model_path: Path, head: Path | None) -> Path:
-    from eesd_local.gguf.headfile import find_head
-
     if head is not None:
         return head
     found = find_head(model_path)
@@ -133,15 +140,6 @@ def _head_for(model_path: Path, head: Path | None) -> Path:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    import time
-
-    from eesd_local.atomic import check_overwrite
-    from eesd_local.tools.heads import data, teacher, train
-    from eesd_local.gguf.headfile import fingerprint
-    from eesd_local.gguf.headfile import check_exit_layer, model_info
-    from eesd_local.paths import cache_dir
-    from eesd_local.tools.registry import resolve_model
-
     t_start = time.time()
     deadline = t_start + args.minutes * 60
     model = resolve_model(args.model)
@@ -151,7 +149,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.minutes <= 0:
         raise EesdError("--minutes must be positive")
     if args.device == "cuda":
-        import torch
+        import torch  # noqa: PLC0415 - torch: optional (train extra)
 
         if not torch.cuda.is_available():
             raise EesdError("--device cuda was asked for but PyTorch sees no CUDA device", hint="use --device cpu")
@@ -159,25 +157,25 @@ def cmd_train(args: argparse.Namespace) -> int:
     cap = f"at most {args.tokens} tokens, " if args.tokens else ""
     print(f"teacher data: {data_dir} ({cap}mix {args.mix}; {args.minutes:g} min for the whole run)", file=sys.stderr)
     cfg = teacher.TeacherConfig(n_parallel=args.parallel, threads=args.threads, max_new=args.max_new)
-    def tprog(d: dict) -> None:
-        left = max(0.0, deadline - time.time()) / 60
-        print(
-            f"\rteacher: {d['tokens']} tokens, {d['new'] / max(d['elapsed'], 1e-9):.1f} tok/s, {left:.0f} min of the budget left ",
-            end="",
-            file=sys.stderr,
-        )
 
-    teacher.run_teacher(
-        model,
-        data.mix_items(args.mix),
-        data_dir,
-        cfg=cfg,
-        budget_tokens=args.tokens or 10**12,
-        time_limit_s=(args.teacher_minutes or 1e9) * 60,
-        progress=tprog,
-        stop_when=train.teacher_stop_rule(deadline, args.epochs),  # the rest must still fit in --minutes
-    )
-    print(file=sys.stderr)
+    with Progress(TextColumn("teacher: {task.fields[line]}"), console=Console(stderr=True)) as bar:
+        task = bar.add_task("teacher", total=None, line="starting")
+
+        def tprog(d: dict) -> None:
+            left = max(0.0, deadline - time.time()) / 60
+            bar.update(task, line=f"{d['tokens']} tokens, {d['new'] / max(d['elapsed'], 1e-9):.1f} tok/s, "
+                                  f"{left:.0f} min of the budget left")
+
+        teacher.run_teacher(
+            model,
+            data.mix_items(args.mix),
+            data_dir,
+            cfg=cfg,
+            budget_tokens=args.tokens or 10**12,
+            time_limit_s=(args.teacher_minutes or 1e9) * 60,
+            progress=tprog,
+            stop_when=train.teacher_stop_rule(deadline, args.epochs),  # the rest must still fit in --minutes
+        )
     if teacher.count_tokens(data_dir) == 0:
         raise EesdError(
             f"no teacher data was made within --minutes {args.minutes:g}", hint="give the run more minutes (--minutes)"
@@ -220,10 +218,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from eesd_local.tools.heads import evaluate
-    from eesd_local.paths import models_dir
-    from eesd_local.tools.registry import resolve_model
-
     check_int("--max-new", args.max_new, 1, MAX_NEW, hint="answer tokens per prompt, e.g. --max-new 128")
     check_int("--threads", args.threads, 1, MAX_THREADS, hint="e.g. --threads 2")
     if args.cost is not None:
@@ -253,17 +247,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from eesd_local.gguf.headfile import build_draft
-    from eesd_local.tools.registry import resolve_model
-
     model = resolve_model(args.model)
     print(build_draft(model, _head_for(model, args.head), force=args.force))
     return 0
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from eesd_local.gguf.headfile import read_head_info
-
     info = read_head_info(args.head)
     info.pop("history", None)
     print(json.dumps(info, indent=1, default=str))
@@ -273,10 +262,6 @@ def cmd_info(args: argparse.Namespace) -> int:
 def _corpus_model(name: str) -> tuple[Path | None, Path]:
     """(the model's GGUF if it is on this machine, its corpus folder): a registry model not yet downloaded
     still has a corpus to show."""
-    from eesd_local.tools.heads import corpus
-    from eesd_local.llama.catalog import get_spec, is_present, known_models
-    from eesd_local.tools.registry import resolve_model
-
     if name in known_models() and not is_present(get_spec(name)):
         return None, corpus.corpus_dir_for(name, None)
     path = resolve_model(name)
@@ -292,11 +277,6 @@ def _eta(seconds: float) -> str:
 
 
 def cmd_corpus_grow(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from eesd_local.tools.heads import corpus
-
     check_int("--n-parallel", args.n_parallel, 1, MAX_PARALLEL, hint=f"e.g. --n-parallel {GrowConfig.n_parallel}")
     check_int("--max-new", args.max_new, 1, MAX_NEW, hint=f"e.g. --max-new {GrowConfig.max_new}")
     check_int("--threads", args.threads, 1, MAX_THREADS, hint="e.g. --threads 2")
@@ -305,7 +285,6 @@ def cmd_corpus_grow(args: argparse.Namespace) -> int:
         check_number("--minutes", args.minutes, 0.0, lo_open=True, hint="e.g. --minutes 60, or leave it out to run to --max-mb")
     model, folder = _corpus_model(args.model)
     if model is None:  # grow needs the model itself
-        from eesd_local.tools.registry import resolve_model
 
         model = resolve_model(args.model)
     folder = args.corpus or folder
@@ -355,16 +334,12 @@ def cmd_corpus_grow(args: argparse.Namespace) -> int:
 
 
 def cmd_corpus_info(args: argparse.Namespace) -> int:
-    from eesd_local.tools.heads import corpus
-
     if args.model is not None:
         model, folder = _corpus_model(args.model)
         targets = [(args.corpus or folder, model)]
     elif args.corpus is not None:
         targets = [(args.corpus, None)]
     else:
-        from eesd_local.llama.catalog import known_models
-
         root = corpus.corpus_root()
         folders = sorted(d for d in root.iterdir() if d.is_dir()) if root.is_dir() else []
         # a registry model's corpus is checked against the model where it is downloaded

@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from eesd_local.tools import registry
+from eesd_local.atomic import check_overwrite, write_text_atomic
 from eesd_local.errors import EesdError
+from eesd_local.llama.catalog import VARIANTS, variant_path
 from eesd_local.params import MAX_THREADS, check_int, check_optional_int
-from eesd_local.llama.catalog import VARIANTS
+from eesd_local.paths import cache_dir
+from eesd_local.tools import registry
+from eesd_local.tools.bench.prompts import heldout_texts
+from eesd_local.tools.weights import MAX_COST_K, batch_costs, quality, requantize, tensor_types
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -112,11 +118,6 @@ def run_path(args: argparse.Namespace) -> int:
 
 
 def run_costs(args: argparse.Namespace) -> int:
-    import json
-
-    from eesd_local.atomic import check_overwrite, write_text_atomic
-    from eesd_local.tools.weights import MAX_COST_K, batch_costs
-
     check_int("--max-k", args.max_k, 1, MAX_COST_K, hint="measure batches up to the longest draft, e.g. --max-k 16")
     check_int("--repeats", args.repeats, 1, hint="e.g. --repeats 12")
     check_optional_int("--threads", args.threads, 1, MAX_THREADS, hint="leave it out to use every core")
@@ -151,14 +152,6 @@ def run_costs(args: argparse.Namespace) -> int:
 
 
 def run_requant(args: argparse.Namespace) -> int:
-    import json
-    import time
-
-    from eesd_local.atomic import check_overwrite, write_text_atomic
-    from eesd_local.paths import cache_dir
-    from eesd_local.tools.weights import quality, requantize, tensor_types
-    from eesd_local.llama.catalog import variant_path
-
     check_optional_int("--threads", args.threads, 1, MAX_THREADS, hint="leave it out to use every core")
     if args.json:  # checked before the work, not after it
         check_overwrite(Path(args.json), True)
@@ -182,7 +175,7 @@ def run_requant(args: argparse.Namespace) -> int:
     if not args.quality:
         return 0
     with Console(stderr=True).status("measuring quality against the source (teacher-forced agreement, greedy answers)"):
-        q = quality(src, out, n_threads=args.threads)
+        q = quality(src, out, heldout_texts(), n_threads=args.threads)
     print(f"top-1 agreement with {src.name}: {q.agreement:.3f} over {q.n_tokens} teacher-forced tokens of held-out text")
     for a in q.answers:
         same = "identical" if a["identical"] else f"differs from token {a['first_divergence']}"

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 
-from eesd_local.spec.drafters import DRAFTERS
-from eesd_local.spec.engine import EngineConfig, check_config
+from eesd_local.commands.models import pull_with_progress
 from eesd_local.errors import EesdError
 from eesd_local.llama.catalog import DEFAULT_MODEL, known_models
 from eesd_local.llama.rpc import parse_endpoints
+from eesd_local.spec.drafters import DRAFTERS
+from eesd_local.spec.engine import EngineConfig, check_config
 
 _DEFAULT = EngineConfig()
 # the EngineConfig fields that add_engine_args makes flags of (seed is the controller's, not sampling's --seed)
@@ -73,8 +74,6 @@ def add_sampling_args(p: argparse.ArgumentParser, *, max_tokens: int = 256) -> N
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the flags ask for; registry models that are missing are pulled first."""
-    from eesd_local.commands.models import pull_with_progress
-
     config = EngineConfig(**{name: getattr(args, name) for name in ENGINE_FLAGS})
     check_config(config)  # before a download or a load: a bad number fails at once
     for name in (args.model, args.draft_model):

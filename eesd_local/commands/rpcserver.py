@@ -6,9 +6,9 @@ import argparse
 import sys
 import threading
 
-from eesd_local.params import MAX_THREADS, check_int
 from eesd_local.llama.rpc import UNSAFE, is_loopback, serve
 from eesd_local.llama.runtime import default_threads
+from eesd_local.params import MAX_THREADS, check_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -7,8 +7,9 @@ import sys
 from pathlib import Path
 
 from eesd_local.api import load
-from eesd_local.params import check_int
 from eesd_local.commands.options import add_engine_args, engine_config
+from eesd_local.params import check_int
+from eesd_local.server import listen_socket, serve
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -24,8 +25,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from eesd_local.server import listen_socket, serve
-
     check_int("queue", args.queue, 0, hint="requests that may wait while one runs, e.g. --queue 8")
     sock = listen_socket(args.host, args.port)  # before the model loads: a bad address fails at once
     try:

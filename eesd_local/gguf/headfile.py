@@ -17,14 +17,16 @@ import os
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 
 from eesd_local import cachefile
 from eesd_local.atomic import atomic_path
 from eesd_local.errors import EesdError
-from eesd_local.paths import cache_dir
+from eesd_local.gguf import reader as ggufread
 from eesd_local.gguf.check import check_gguf
-from eesd_local.gguf import ggufraw
+from eesd_local.gguf.writer import write_derived
+from eesd_local.paths import cache_dir, models_dir
 
 HEAD_FORMAT = 1
 HEAD_ARCH = "eesd-head"  # general.architecture of a head file: llama.cpp must not take it for a model
@@ -34,18 +36,16 @@ FFN_PARTS = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
 _FP_SAMPLES = 16
 
 
-def _reader(path: Path, **kw) -> ggufraw.GGUFHeader:
-    return ggufraw.read_header(Path(path), **kw)
+def _reader(path: Path, **kw) -> ggufread.GGUFHeader:
+    return ggufread.read_header(Path(path), **kw)
 
 
-def _field(reader: ggufraw.GGUFHeader, key: str, default: Any = None) -> Any:
+def _field(reader: ggufread.GGUFHeader, key: str, default: Any = None) -> Any:
     return reader.kv.get(key, default)
 
 
-def dequantize(h: ggufraw.GGUFHeader, name: str) -> np.ndarray:
+def dequantize(h: ggufread.GGUFHeader, name: str) -> np.ndarray:
     """A tensor of a parsed GGUF as float32, numpy (torch) layout."""
-    import gguf
-
     t = h.tensors[name]
     raw = h.tensor_bytes(name)
     rows = int(np.prod(t.shape[:-1])) if len(t.shape) > 1 else 1
@@ -135,8 +135,6 @@ def write_head(
 ) -> Path:
     """Write a head GGUF. ``tensors`` maps block-local names ('attn_q.weight', ..., and
     'output_norm.weight' / 'output.weight') to float32 arrays in torch layout [out, in]."""
-    import gguf
-
     info = model_info(base_path)
     check_exit_layer(exit_layer, info["n_layer"], str(base_path))
     qt = gguf.GGMLQuantizationType[qtype]
@@ -198,14 +196,14 @@ def read_head_info(head_path: Path) -> dict:
     return info
 
 
-def _int_field(reader: ggufraw.GGUFHeader, key: str) -> int:
+def _int_field(reader: ggufread.GGUFHeader, key: str) -> int:
     value = _field(reader, key)
     if type(value) is not int:
         raise TypeError(f"{key} is {value!r}, not an integer")
     return value
 
 
-def _str_field(reader: ggufraw.GGUFHeader, key: str) -> str:
+def _str_field(reader: ggufread.GGUFHeader, key: str) -> str:
     value = _field(reader, key)
     if not isinstance(value, str):
         raise TypeError(f"{key} is {value!r}, not a string")
@@ -213,8 +211,6 @@ def _str_field(reader: ggufraw.GGUFHeader, key: str) -> str:
 
 
 def _type_name(ggml_type: int) -> str:
-    import gguf
-
     return gguf.GGMLQuantizationType(ggml_type).name
 
 
@@ -249,8 +245,6 @@ def base_block_tensors(base_path: Path, layer: int) -> dict[str, np.ndarray]:
 
 
 def head_dirs() -> list[Path]:
-    from eesd_local.paths import models_dir
-
     dirs = [models_dir()]
     extra = os.environ.get("EESD_HEADS_DIR")
     if extra:
@@ -306,12 +300,14 @@ def check_head_for(base_path: Path, head_path: Path) -> tuple[dict, str]:
     return info, base_fp
 
 
-def read_head_pair(base_path: Path, head_path: Path, info: dict) -> tuple[dict, ggufraw.GGUFHeader, ggufraw.GGUFHeader]:
-    """(base model info, base reader, head reader), checking the head has the exit block's tensors."""
+def read_head_pair(base_path: Path, head_path: Path, info: dict, *,
+                   keep_strings: bool = False) -> tuple[dict, ggufread.GGUFHeader, ggufread.GGUFHeader]:
+    """(base model info, base reader, head reader), checking the head has the exit block's tensors;
+    ``keep_strings``: the base's string arrays read too (to copy its tokenizer)."""
     n = info["exit_layer"]
     base = model_info(base_path)
     check_exit_layer(n, base["n_layer"], str(base_path))
-    breader = _reader(base_path)
+    breader = _reader(base_path, keep_strings=keep_strings)
     hreader = _reader(head_path)
     missing = [k for k in (f"blk.{n}.attn_norm.weight", "output_norm.weight") if k not in hreader.tensors]
     if info.get("ffn_from_base_block") is None:
@@ -327,8 +323,6 @@ def build_draft(
     base_path: Path, head_path: Path, *, force: bool = False, lm_head_type: str = "Q4_0", out_path: Path | None = None
 ) -> Path:
     """base GGUF + head -> draft GGUF in cache_dir('drafts'), built once and reused."""
-    import gguf
-
     base_path = check_gguf(Path(base_path))
     info, base_fp = check_head_for(base_path, Path(head_path))
     n = info["exit_layer"]
@@ -337,20 +331,14 @@ def build_draft(
     out_path = Path(out_path)
     if not force and cachefile.intact(out_path):  # damaged, truncated or foreign: built again below
         return out_path
-    base, breader, hreader = read_head_pair(base_path, Path(head_path), info)
+    base, breader, hreader = read_head_pair(base_path, Path(head_path), info, keep_strings=True)
     arch = base["arch"]
 
-    # metadata: the base's pairs byte for byte, block_count (and per-layer arrays) for N+1 blocks
-    kv = []
-    for key, raw in breader.kv_raw.items():
-        if key == f"{arch}.block_count":
-            kv.append(ggufraw.kv_bytes(key, n + 1))
-        elif key.startswith(f"{arch}.") and isinstance(breader.kv[key], list) and len(breader.kv[key]) == base["n_layer"]:
+    # metadata: the base's pairs, block_count (and per-layer arrays) for N+1 blocks
+    for key, value in breader.kv.items():
+        if key.startswith(f"{arch}.") and isinstance(value, list) and len(value) == base["n_layer"]:
             raise EesdError(f"{base_path} has per-layer metadata ({key}) that drafts do not support yet")
-        else:
-            kv.append(raw)
-    kv.append(ggufraw.kv_bytes("eesd.draft.base_fingerprint", base_fp))
-    kv.append(ggufraw.kv_bytes("eesd.draft.exit_layer", n))
+    set_kv = {f"{arch}.block_count": n + 1, "eesd.draft.base_fingerprint": base_fp, "eesd.draft.exit_layer": n}
     tensors: list = []
     for name, t in breader.tensors.items():  # token_embd and blocks 0..N-1, byte for byte
         if name == "token_embd.weight" or any(name.startswith(f"blk.{i}.") for i in range(n)):
@@ -368,16 +356,14 @@ def build_draft(
                 return gguf.quants.quantize(dequantize(breader, src), qt)
 
             tensors.append(("output.weight", st.dims, int(qt), requantized))
-    with cachefile.derived_path(out_path) as tmp:
-        with open(tmp, "wb") as fh:
-            ggufraw.write_gguf(fh, kv, tensors, alignment=breader.alignment)
+    write_derived(out_path, breader, tensors=tensors, set_kv=set_kv)
     return out_path
 
 
-def exit_tensors(breader: ggufraw.GGUFHeader, hreader: ggufraw.GGUFHeader, info: dict, base_path: Path,
+def exit_tensors(breader: ggufread.GGUFHeader, hreader: ggufread.GGUFHeader, info: dict, base_path: Path,
                  head_path: Path) -> list:
     """The exit block N, its output norm (and the head's own LM head, if it has one) as
-    (name, dims, type, data) entries for ggufraw.write_gguf; MLP parts the head kept from a base
+    (name, dims, type, data) entries for gguf.writer; MLP parts the head kept from a base
     block come from the base, byte for byte."""
     n = info["exit_layer"]
     tensors: list = []

@@ -1,9 +1,12 @@
-"""A minimal, fast GGUF reader and raw writer (header, metadata, tensor infos, raw data).
+"""A minimal, fast GGUF reader (header, metadata, tensor infos, raw data), with the checks that
+keep a damaged file away from llama.cpp.
 
-gguf-py's GGUFReader builds a numpy view per string of the tokenizer arrays (300k of them for a
-Qwen vocabulary), which takes tens of seconds on a loaded 2-core machine. This parser walks the
-header with ``struct`` and keeps every key/value pair's raw bytes, so a draft can be written by
-copying the base's metadata and tensor bytes verbatim, changing only ``block_count``.
+Hand-written where gguf-py has a reader because of speed: gguf-py's GGUFReader builds a numpy
+view per string of the tokenizer arrays (300k of them for a Qwen vocabulary); measured on the
+2-core machine, GGUFReader took 6.6 s to read the header of the 0.5B demo model, this parser
+0.08 s, and every model and head load checks a header first (gguf/check.py). It walks the
+header with ``struct``, skips string arrays unless asked for them, keeps every key/value pair's
+type and raw bytes, and maps tensor data lazily. Writing is gguf-py's (gguf/writer.py).
 """
 
 from __future__ import annotations
@@ -12,9 +15,10 @@ import math
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from eesd_local.errors import EesdError
 
@@ -68,8 +72,6 @@ class GGUFHeader:
 
 
 def _tensor_nbytes(dims: tuple[int, ...], ggml_type: int) -> int:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
     n = math.prod(dims) if dims else 1
     return n // block * size
@@ -149,13 +151,13 @@ class _Buf:
         raise _corrupt(self.path, f"unknown GGUF value type {vtype}")
 
 
-def read_header(path: Path, *, keep_strings: tuple[str, ...] = ()) -> GGUFHeader:
+def read_header(path: Path, *, keep_strings: tuple[str, ...] | bool = ()) -> GGUFHeader:
     """Parse and check a GGUF file's header; any damage raises EesdError, never another error.
 
     Checked before each use: counts and lengths against the bytes left, value types, tensor
     names (unique, <= 63 bytes), dims (1..4, each >= 1, a whole number of quant blocks per
     row), ggml types, the alignment (a power of two), each tensor's offset (aligned) and its
-    bytes lying inside the file. String arrays are skipped unless their key is in keep_strings.
+    bytes lying inside the file. String arrays are skipped unless their key is in keep_strings (True: all are kept).
     """
     path = Path(path)
     try:
@@ -185,7 +187,7 @@ def read_header(path: Path, *, keep_strings: tuple[str, ...] = ()) -> GGUFHeader
             raise _corrupt(path, f"key {key!r} appears twice")
         vtype = buf.take("<I")
         etype = struct.unpack_from("<I", buf.d, buf.p)[0] if vtype == ARR and buf.p + 4 <= len(buf.d) else None
-        kv[key] = buf.value(vtype, key in keep_strings)
+        kv[key] = buf.value(vtype, keep_strings is True or key in keep_strings)
         kv_raw[key] = bytes(buf.d[start : buf.p])
         kv_types[key] = (vtype, etype)
     alignment = kv.get("general.alignment", 32)
@@ -203,7 +205,7 @@ def read_header(path: Path, *, keep_strings: tuple[str, ...] = ()) -> GGUFHeader
         ttype = buf.take("<I")
         off = buf.take("<Q")
         try:
-            from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+            from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: PLC0415 - optional dependency
 
             block = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)][0]
         except (KeyError, ValueError):
@@ -281,57 +283,6 @@ def check_vocab(h: GGUFHeader) -> None:
         missing = sorted(_byte_level_chars() - have)
         if missing:
             raise _corrupt(h.path, f"byte-level tokens missing: {missing[:3]}")
-
-
-# --- writing ---------------------------------------------------------------------------
-
-
-def _str(s: str) -> bytes:
-    b = s.encode("utf-8")
-    return struct.pack("<Q", len(b)) + b
-
-
-def kv_bytes(key: str, value: Any) -> bytes:
-    """Encode one key/value pair (str, bool, int as u32, float as f32)."""
-    if isinstance(value, bool):
-        return _str(key) + struct.pack("<I?", BOOL, value)
-    if isinstance(value, int):
-        return _str(key) + struct.pack("<II", U32, value)
-    if isinstance(value, float):
-        return _str(key) + struct.pack("<If", F32, value)
-    if isinstance(value, str):
-        return _str(key) + struct.pack("<I", STR) + _str(value)
-    raise TypeError(f"cannot encode {key}={value!r}")
-
-
-def write_gguf(
-    out: BinaryIO, kv_pairs: list[bytes], tensors: list[tuple[str, tuple[int, ...], int, Any]], alignment: int = 32
-) -> None:
-    """Write a GGUF: raw key/value pairs, then tensors given as (name, dims, ggml type, data)
-    where data is a bytes-like object (or a callable returning one, read when written)."""
-    sizes = [_tensor_nbytes(dims, ttype) for _, dims, ttype, _ in tensors]
-    head = bytearray(MAGIC + struct.pack("<IQQ", 3, len(tensors), len(kv_pairs)))
-    for p in kv_pairs:
-        head += p
-    offset = 0
-    for (name, dims, ttype, _), nbytes in zip(tensors, sizes):
-        head += (
-            _str(name)
-            + struct.pack("<I", len(dims))
-            + b"".join(struct.pack("<Q", d) for d in dims)
-            + struct.pack("<IQ", ttype, offset)
-        )
-        offset += (nbytes + alignment - 1) // alignment * alignment
-    head += b"\0" * ((-len(head)) % alignment)
-    out.write(head)
-    for (name, _, _, data), nbytes in zip(tensors, sizes):
-        raw = data() if callable(data) else data
-        buf = np.ascontiguousarray(raw) if isinstance(raw, np.ndarray) else raw
-        mv = memoryview(buf).cast("B")  # type: ignore[arg-type]  # an ndarray is a buffer
-        if len(mv) != nbytes:
-            raise ValueError(f"tensor {name}: {len(mv)} bytes, expected {nbytes}")
-        out.write(mv)
-        out.write(b"\0" * ((-nbytes) % alignment))
 
 
 def bytes_read_per_token(path: Path) -> int:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import llama_cpp as lc
+import llama_cpp.llama_cpp as raw
 
 _backend_lock = threading.Lock()
 _backend_ready = False
@@ -38,8 +39,6 @@ def init_backend() -> None:
 
 def ggml_symbol(name: str) -> Any:
     """A C function of the ggml libraries llama-cpp-python loaded (None if none exports it)."""
-    import llama_cpp.llama_cpp as raw
-
     base = Path(raw._base_path)
     for lib in ("ggml-cpu", "ggml", "ggml-base", "llama"):
         for path in (base / f"lib{lib}.so", base / f"lib{lib}.dylib", base / f"{lib}.dll"):

@@ -22,15 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import llama_cpp as lc
+import llama_cpp.llama_cpp as raw
 import numpy as np
 
-from eesd_local.llama import memtune
 from eesd_local.errors import ContextFullError, EesdError
-from eesd_local.llama.ggmlapi import exact_rows, ggml_symbol, init_backend, offload_devices, rpc_failures
 from eesd_local.gguf.check import check_gguf
+from eesd_local.llama import memtune
+from eesd_local.llama.ggmlapi import exact_rows, ggml_symbol, init_backend, offload_devices, rpc_failures
 from eesd_local.llama.rpc import RpcError, add_servers
-
-memtune.tune()  # vocabulary-sized arrays reuse heap pages (see memtune.py)
 
 
 @functools.cache
@@ -63,11 +62,9 @@ def extra_bufts_allowed(cpuinfo: str | None = None) -> bool:
     return not cpu_has_amx(cpuinfo)
 
 
-def _guard_model_defaults() -> None:
+def guard_model_defaults() -> None:
     """Make llama.cpp's default model parameters safe on this CPU, for every loader in the
     process (ours and llama-cpp-python's ``Llama``, which the bench and tests use too)."""
-    import llama_cpp.llama_cpp as raw
-
     orig = raw.llama_model_default_params
     if getattr(orig, "_eesd_guarded", False):
         return
@@ -83,7 +80,16 @@ def _guard_model_defaults() -> None:
     lc.llama_model_default_params = llama_model_default_params
 
 
-_guard_model_defaults()
+def setup_process() -> None:
+    """The process-wide settings eesd-local runs with, made once (later calls do nothing):
+    glibc's malloc thresholds raised so vocabulary-sized arrays reuse heap pages
+    (:func:`memtune.tune`), and llama.cpp's default model parameters made safe on this CPU for
+    every loader in the process (:func:`guard_model_defaults`). Importing this module changes
+    nothing; every :class:`Model` calls this before it loads, and code that loads models through
+    ``llama_cpp.Llama`` in the same process calls it first."""
+    memtune.tune()
+    guard_model_defaults()
+
 
 # what the engine says when greedy output is not exact, by cause
 NOT_EXACT = {
@@ -133,7 +139,9 @@ class Model:
 
     def __init__(self, path: str | os.PathLike[str], *, n_gpu_layers: int = 0, vocab_only: bool = False,
                  rpc: Sequence[str] = ()) -> None:
-        """``rpc``: HOST:PORT of RPC servers to offload layers to (with ``n_gpu_layers``, as to a GPU)."""
+        """``rpc``: HOST:PORT of RPC servers to offload layers to (with ``n_gpu_layers``, as to a GPU).
+        The first model loaded makes the process-wide settings of :func:`setup_process`."""
+        setup_process()
         init_backend()
         self.path = check_gguf(Path(path))  # llama.cpp aborts the process on some damaged files: refuse them first
         # RPC: the servers' devices join llama.cpp's before the load; every decode then checks that

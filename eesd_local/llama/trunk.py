@@ -25,7 +25,7 @@ uploads it again; llama.cpp has no API that hands a tensor from one context to a
 the device, so a round copies (k+1) rows down and up: tiny next to a target step.
 
 Both round loops run the split: :class:`SplitTarget` and :class:`TrunkContext` are the reference,
-the native loop's ``Rounds::set_split`` (native/rounds.cpp) its C++ twin, and tests/test_native.py
+the native loop's ``Rounds::set_split`` (native/split.cpp) its C++ twin, and tests/test_native.py
 checks that they give the same events (greedy and seeded sampling, probe rounds).
 
 Architectures: the ones whose graph names ``l_out-{il}`` and feeds embeddings into layer 0
@@ -34,18 +34,36 @@ unscaled (qwen2, llama); others raise a clear error.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import mmap
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
+import gguf
 import numpy as np
 
 from eesd_local import cachefile
-from eesd_local.llama.draftvocab import DRAFT_VOCAB
-from eesd_local.tools.draftvocab import draft_vocab
 from eesd_local.errors import EesdError
-from eesd_local.paths import cache_dir
 from eesd_local.gguf.check import check_gguf
+from eesd_local.gguf.headfile import (
+    check_exit_layer,
+    check_head_for,
+    draft_key,
+    exit_tensors,
+    fingerprint,
+    model_info,
+    read_head_info,
+    read_head_pair,
+)
+from eesd_local.gguf.reader import GGUFHeader, read_header
+from eesd_local.gguf.writer import write_derived
+from eesd_local.llama import native
+from eesd_local.llama.draftvocab import DRAFT_VOCAB, read_draft_vocab
 from eesd_local.llama.runtime import Context, ContextParams, Model
+from eesd_local.paths import cache_dir
 
 TAIL_FORMAT = 2
 TRUNK_FORMAT = 1
@@ -68,9 +86,6 @@ def build_tail(base_path: Path, n: int, *, force: bool = False, out_path: Path |
     The tensors are the base's bytes; the metadata is the base's with ``block_count`` = L - N.
     ``token_embd`` stays (llama.cpp requires it; with untied embeddings it is never read on the
     embeddings path, and under mmap it stays on disk)."""
-    from eesd_local.gguf import ggufraw
-    from eesd_local.gguf.headfile import _reader, check_exit_layer, fingerprint, model_info
-
     base_path = check_gguf(Path(base_path))
     base = model_info(base_path)
     arch, n_layer = base["arch"], base["n_layer"]
@@ -83,10 +98,9 @@ def build_tail(base_path: Path, n: int, *, force: bool = False, out_path: Path |
     out_path = Path(out_path)
     if not force and cachefile.intact(out_path):  # damaged, truncated or foreign: built again below
         return out_path
-    reader = _reader(base_path)
-    kv = _split_kv(reader, arch, n_layer, n_layer - n, base_path, int(base["n_vocab"]))
-    kv.append(ggufraw.kv_bytes("eesd.tail.base_fingerprint", fp))
-    kv.append(ggufraw.kv_bytes("eesd.tail.first_layer", n))
+    reader = read_header(base_path)
+    set_kv, drop = _split_kv(reader, arch, n_layer, n_layer - n, base_path, int(base["n_vocab"]))
+    set_kv |= {"eesd.tail.base_fingerprint": fp, "eesd.tail.first_layer": n}
     tensors: list = []
     for name, t in reader.tensors.items():
         if name.startswith("blk."):
@@ -97,45 +111,21 @@ def build_tail(base_path: Path, n: int, *, force: bool = False, out_path: Path |
         else:
             new = name
         tensors.append((new, t.dims, t.type, lambda name=name: reader.tensor_bytes(name)))
-    _write_derived(out_path, kv, tensors, reader.alignment)
+    write_derived(out_path, reader, tensors=tensors, set_kv=set_kv, drop=drop)
     return out_path
 
 
-def _write_derived(out_path: Path, kv: list[bytes], tensors: list, alignment: int) -> None:
-    """Write a derived GGUF atomically, with its digest (cachefile): on any failure (a full disk,
-    Ctrl-C) nothing is left in the cache but a temp file that is removed at once, and the next run
-    builds it again."""
-    from eesd_local.gguf import ggufraw
-
-    try:
-        with cachefile.derived_path(out_path) as tmp:
-            with open(tmp, "wb") as fh:
-                ggufraw.write_gguf(fh, kv, tensors, alignment=alignment)
-    except OSError as exc:
-        raise EesdError(f"cannot write {out_path}: {exc.strerror or exc}",
-                        hint="free some disk space (or set EESD_HOME to a larger disk) and run again") from None
-
-
-def _split_kv(reader, arch: str, n_layer: int, blocks: int, base_path: Path, n_vocab: int) -> list[bytes]:
-    """The base's metadata for a part of it with ``blocks`` blocks, fed embeddings: no tokenizer
-    (llama.cpp's "none" vocabulary of ``n_vocab`` dummy tokens: nothing to load, and the rows'
-    count sizes the LM head)."""
-    from eesd_local.gguf import ggufraw
-
-    kv = []
-    for k, raw in reader.kv_raw.items():
-        if k.startswith("tokenizer.") or k == f"{arch}.vocab_size":
-            continue
-        if k == f"{arch}.block_count":
-            kv.append(ggufraw.kv_bytes(k, blocks))
-        elif k.startswith(f"{arch}.") and isinstance(reader.kv[k], list) and len(reader.kv[k]) == n_layer:
+def _split_kv(reader: GGUFHeader, arch: str, n_layer: int, blocks: int, base_path: Path,
+              n_vocab: int) -> tuple[dict, Callable[[str], bool]]:
+    """(keys to set, keys to drop) making the base's metadata that of a part of it with ``blocks``
+    blocks, fed embeddings: no tokenizer (llama.cpp's "none" vocabulary of ``n_vocab`` dummy
+    tokens: nothing to load, and the rows' count sizes the LM head)."""
+    for k, v in reader.kv.items():
+        if k.startswith(f"{arch}.") and isinstance(v, list) and len(v) == n_layer and k != f"{arch}.block_count":
             raise EesdError(f"{base_path} has per-layer metadata ({k}) that the shared trunk does not support yet",
                             hint="use --no-shared-trunk")
-        else:
-            kv.append(raw)
-    kv.append(ggufraw.kv_bytes("tokenizer.ggml.model", "none"))
-    kv.append(ggufraw.kv_bytes(f"{arch}.vocab_size", n_vocab))
-    return kv
+    set_kv = {f"{arch}.block_count": blocks, "tokenizer.ggml.model": "none", f"{arch}.vocab_size": n_vocab}
+    return set_kv, lambda k: k.startswith("tokenizer.")
 
 
 def build_trunk(base_path: Path, head_path: Path, vocab: np.ndarray, *, lm_head_type: str = "Q4_0", force: bool = False,
@@ -146,10 +136,6 @@ def build_trunk(base_path: Path, head_path: Path, vocab: np.ndarray, *, lm_head_
     rows of the head's (or the base's) LM head, requantized to ``lm_head_type``, stored as a tied
     ``token_embd`` of V' dummy tokens. The model is fed embeddings (the base's token_embd rows,
     :class:`EmbedTable`), so its own token_embd is only ever read as the LM head."""
-    import gguf
-
-    from eesd_local.gguf import ggufraw
-    from eesd_local.gguf.headfile import check_head_for, draft_key, exit_tensors, read_head_pair
 
     base_path = check_gguf(Path(base_path))
     head_path = Path(head_path)
@@ -168,9 +154,8 @@ def build_trunk(base_path: Path, head_path: Path, vocab: np.ndarray, *, lm_head_
     n_vocab = int(base["n_vocab"])
     if len(vocab) == 0 or vocab.min() < 0 or vocab.max() >= n_vocab or len(np.unique(vocab)) != len(vocab):
         raise EesdError(f"the draft vocabulary must be distinct token ids below {n_vocab}")
-    kv = _split_kv(breader, arch, base["n_layer"], n + 1, base_path, len(vocab))
-    kv.append(ggufraw.kv_bytes("eesd.trunk.base_fingerprint", base_fp))
-    kv.append(ggufraw.kv_bytes("eesd.trunk.exit_layer", n))
+    set_kv, drop = _split_kv(breader, arch, base["n_layer"], n + 1, base_path, len(vocab))
+    set_kv |= {"eesd.trunk.base_fingerprint": base_fp, "eesd.trunk.exit_layer": n}
     tensors: list = []
     for name, t in breader.tensors.items():  # blocks 0..N-1, byte for byte
         if any(name.startswith(f"blk.{i}.") for i in range(n)):
@@ -191,7 +176,7 @@ def build_trunk(base_path: Path, head_path: Path, vocab: np.ndarray, *, lm_head_
         return gguf.quants.quantize(rows, qt)
 
     tensors.append(("token_embd.weight", (st.dims[0], len(vocab)), int(qt), head_rows))
-    _write_derived(out_path, kv, tensors, breader.alignment)
+    write_derived(out_path, breader, tensors=tensors, set_kv=set_kv, drop=drop)
     return out_path
 
 
@@ -200,15 +185,10 @@ def release_unread(path: Path, names: tuple[str, ...]) -> int:
     that llama.cpp mapped (and prefetched) but never reads, such as the tail's token_embd of an
     untied model fed embeddings. Linux only (elsewhere nothing happens); the file stays mapped, so
     a page that is read after all comes back from the page cache. Returns the bytes released."""
-    import ctypes
-    import mmap
-    import sys
-
-    from eesd_local.gguf import ggufraw
 
     if not sys.platform.startswith("linux"):
         return 0
-    h = ggufraw.read_header(path)
+    h = read_header(path)
     real = str(Path(path).resolve())
     maps = []
     try:
@@ -243,9 +223,7 @@ class EmbedTable:
     dequantized by ggml's own type traits (what llama.cpp's get_rows computes)."""
 
     def __init__(self, base_path: Path) -> None:
-        from eesd_local.gguf import ggufraw
-
-        h = ggufraw.read_header(Path(base_path))
+        h = read_header(Path(base_path))
         t = h.tensors.get("token_embd.weight")
         if t is None:
             raise EesdError(f"{Path(base_path).name} has no token_embd tensor")
@@ -261,12 +239,11 @@ class EmbedTable:
 
 
 def _native_module():
-    try:
-        from eesd_local import _native
-    except ImportError as exc:
-        raise EesdError(f"the shared trunk needs the native extension (eesd_local._native): {exc}",
-                        hint="rebuild it with `pip install --no-build-isolation -e .`, or use --no-shared-trunk") from None
-    return _native
+    module, why = native.load()
+    if module is None:
+        raise EesdError(f"the shared trunk needs the native extension (eesd_local._native): {why}",
+                        hint="rebuild it with `pip install --no-build-isolation -e .`, or use --no-shared-trunk")
+    return module
 
 
 def _native_capture(name: str, n_embd: int):
@@ -418,20 +395,19 @@ class SplitTarget:
 def open_split(model: Model, head_path: Path, params: ContextParams, *, vocab_size: int = DRAFT_VOCAB,
                n_gpu_layers: int = 0, force: bool = False, rpc: tuple[str, ...] = ()) -> SplitTarget:
     """The split target for ``model`` (a vocab-only load is enough) and the exit head ``head_path``,
-    deriving (once) the draft vocabulary, the trunk+exit model and the tail."""
-    from eesd_local.gguf.headfile import read_head_info
+    deriving (once) the trunk+exit model and the tail; the draft vocabulary must be computed already
+    (``eesd_local.tools.heads.draftvocab``)."""
 
     base_path = Path(model.path)
     exit_layer = int(read_head_info(Path(head_path))["exit_layer"])
-    vocab = draft_vocab(base_path, vocab_size, force=force)
+    vocab = read_draft_vocab(base_path, vocab_size)  # computed by the app layer (tools/draftvocab.py)
     trunk_path = build_trunk(base_path, Path(head_path), vocab, force=force)
     tail_path = build_tail(base_path, exit_layer, force=force)
     table = EmbedTable(base_path)
     trunk_model = Model(trunk_path, n_gpu_layers=n_gpu_layers, rpc=rpc)
     tail_model = Model(tail_path, n_gpu_layers=n_gpu_layers, rpc=rpc)
-    from eesd_local.gguf import ggufraw
 
-    tail_h = ggufraw.read_header(tail_path)
+    tail_h = read_header(tail_path)
     unread = 0  # weight bytes mapped but never read: an untied tail's token_embd (its input is the trunk's rows)
     if "output.weight" in tail_h.tensors:
         unread = tail_h.tensors["token_embd.weight"].nbytes
@@ -457,8 +433,6 @@ def measure_trunk_share(split: SplitTarget, tokens: list[int], *, reps: int = 24
     """The trunk's part of a target token, timed: a trunk step that asks for no logits (blocks
     0..N-1 and the exit block's attention) over a whole target step (trunk then tail), single
     tokens after ``tokens``, lower quartiles (the machine is shared). Leaves the cache empty."""
-    import time
-
     split.clear()
     split.decode(tokens[:-1], n_logits=0)
     n0 = split.n_past

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 from collections.abc import Sequence
@@ -36,8 +37,6 @@ def _compile(source: str) -> jinja2.Template:
 
 
 def _tojson(value: Any, indent: int | None = None) -> str:
-    import json
-
     return json.dumps(value, ensure_ascii=False, indent=indent)
 
 

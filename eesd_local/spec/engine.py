@@ -18,20 +18,32 @@ from typing import Any
 
 import numpy as np
 
-from eesd_local.spec import chat as chat_mod
-from eesd_local.spec import native_round
 from eesd_local.defaults import BATCH_MS, DRAFT_MAX, N_CTX, PREFILL_CHUNK
-from eesd_local.spec.drafters import DRAFTERS, make_drafter, n_sources, shared_trunk_plan
-from eesd_local.spec.drafters.base import Drafter, NoDrafter
 from eesd_local.errors import EesdError
-from eesd_local.spec.events import Event, FinishEvent, RoundEvent, Stats, TokenEvent
-from eesd_local.params import MAX_THREADS, SEED_MAX, SEED_MIN, ParamError, check_choice, check_int, check_number, check_optional_int, check_sampling, show
-from eesd_local.tools.registry import resolve_model
-from eesd_local.spec.rounds import Controller, RoundLoop, round_limit
+from eesd_local.llama.catalog import resolve_model
 from eesd_local.llama.rpc import parse_endpoints
 from eesd_local.llama.runtime import Context, ContextParams, Detokenizer, Model, common_prefix, exactness
-from eesd_local.spec.sampling import SamplingParams, Uniform, probs, sample
 from eesd_local.llama.trunk import open_split
+from eesd_local.params import (
+    MAX_THREADS,
+    SEED_MAX,
+    SEED_MIN,
+    ParamError,
+    check_choice,
+    check_int,
+    check_number,
+    check_optional_int,
+    check_sampling,
+    show,
+)
+from eesd_local.spec import chat as chat_mod
+from eesd_local.spec import native_round
+from eesd_local.spec.controllers import DEFAULT_CONTROLLER, make_controller
+from eesd_local.spec.drafters import DRAFTERS, make_drafter, n_sources, shared_trunk_plan
+from eesd_local.spec.drafters.base import Drafter, NoDrafter
+from eesd_local.spec.events import Event, FinishEvent, RoundEvent, Stats, TokenEvent
+from eesd_local.spec.rounds import Controller, RoundLoop, round_limit
+from eesd_local.spec.sampling import SamplingParams, Uniform, probs, sample
 
 MAX_BATCH_MS = 3_600_000.0
 
@@ -446,6 +458,5 @@ def check_config(config: EngineConfig) -> None:
 def _make_controller(spec: Any, draft_max: int, seed: int, sources: int = 1) -> Controller:
     if spec is not None and not isinstance(spec, str):
         return spec  # a Controller object
-    from eesd_local.spec.controllers import DEFAULT_CONTROLLER, make_controller
 
     return make_controller(spec or DEFAULT_CONTROLLER, max_draft=draft_max, seed=seed, sources=sources)

@@ -2,7 +2,8 @@
 
 The extension runs a whole round in C++: the controller's decisions (the same Numba
 kernels, as C function pointers), drafting with the draft context or from the lookup
-drafter's n-gram search (run in C++ with the drafter's n-gram sizes), the ONE batched verify, greedy or speculative-sampling
+drafter's n-gram search (run in C++ with the drafter's n-gram sizes), the one batched verify
+(one llama_decode; two with a split target: trunk, then tail), greedy or speculative-sampling
 acceptance, and the KV trims of both contexts. It keeps its own record of what each
 KV cache holds for the length of a generation: the record moves in when the rounds
 start and back into the Python contexts on :meth:`NativeRounds.close`.
@@ -16,38 +17,30 @@ to it by itself. Both give the same tokens and the same events.
 
 from __future__ import annotations
 
-import functools
 import os
 from collections import deque
 from typing import Any
 
 import numpy as np
 
-from eesd_local.spec.drafters.base import Drafter, NativeSpec
 from eesd_local.errors import ContextFullError, EesdError
-from eesd_local.spec.rounds import Controller, PythonRounds, RoundLoop, RoundResult
+from eesd_local.llama import native as native_ext
 from eesd_local.llama.runtime import Context
+from eesd_local.spec.controllers import layout as L
+from eesd_local.spec.controllers.cfuncs import addresses, hindsight_address
+from eesd_local.spec.drafters.base import Drafter, NativeSpec
+from eesd_local.spec.rounds import Controller, PythonRounds, RoundLoop, RoundResult
 from eesd_local.spec.sampling import SamplingParams, TokenRNG
 
 # the extension's drafting modes: nothing, n-gram lookup proposals, a draft context, the controller's choice per round
 NONE, POINT, MODEL, CHOOSE = 0, 1, 2, 3
 
 
-@functools.lru_cache(maxsize=1)
-def _load() -> tuple[Any, str]:
-    """(the extension or None, why not)."""
-    try:
-        from eesd_local import _native
-    except ImportError as exc:
-        return None, str(exc)
-    return _native, ""
-
-
 def status(drafter: Drafter) -> tuple[bool, str]:
     """(use the native loop for ``drafter``?, a one-line note saying which loop runs and why)."""
     if os.environ.get("EESD_NATIVE", "").strip() == "0":
         return False, "round loop: Python (EESD_NATIVE=0)"
-    native, why = _load()
+    native, why = native_ext.load()
     if native is None:
         return False, f"round loop: Python (native extension unavailable: {why})"
     if drafter.native() is None:
@@ -98,10 +91,7 @@ class NativeRounds:
 
     def __init__(self, ctx: Context, drafter: Drafter, controller: Controller, params: SamplingParams, rng: TokenRNG,
                  *, draft_max: int, batch_s: float = 0.0, hindsight: bool = False) -> None:
-        from eesd_local.spec.controllers import layout as L
-        from eesd_local.spec.controllers.cfuncs import addresses, hindsight_address
-
-        native, why = _load()
+        native, why = native_ext.load()
         spec = drafter.native()
         if native is None or spec is None:
             raise EesdError(f"the native round loop cannot run here: {why or drafter.name}")

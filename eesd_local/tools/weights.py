@@ -13,6 +13,7 @@ agreement with the source model and greedy answers side by side.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import statistics
@@ -23,14 +24,22 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import gguf
+import llama_cpp as lc
 import numpy as np
 
 from eesd_local import cachefile
 from eesd_local.atomic import atomic_path, in_cache
 from eesd_local.errors import EesdError
+from eesd_local.gguf.check import check_gguf
+from eesd_local.gguf.reader import read_header
+from eesd_local.llama.catalog import check_variant
+from eesd_local.llama.ggmlapi import init_backend
+from eesd_local.llama.runtime import Context, ContextParams, Model, default_threads
 from eesd_local.params import check_int
+from eesd_local.spec import chat
+from eesd_local.spec.lossless import first_divergence
 
-VARIANTS = ("q8_0", "q5_0", "q4_0")
 COST_KS = (*range(1, 9), 16)  # batch sizes eesd bench measures: the draft lengths up to 8, and 16
 MAX_COST_K = 256  # the largest batch measured: its logits alone take k x n_vocab floats (155 MB for Qwen at 256)
 PREFIX_TOKENS = 64
@@ -77,8 +86,6 @@ def batch_costs(paths: Sequence[str | os.PathLike[str]], ks: Sequence[int] = tup
     (as a verify does), trim the KV back to the prefix, ``repeats`` times; report the medians.
     Several models are measured interleaved (repeat by repeat), so their figures share the
     machine's noise and compare side by side."""
-    from eesd_local.llama.runtime import Context, ContextParams, Model, default_threads
-
     check_int("repeats", repeats, 1, hint="decodes per batch size, e.g. --repeats 12")
     ks = sorted(set(ks) | {1})
     for k in ks:
@@ -122,18 +129,6 @@ def batch_costs(paths: Sequence[str | os.PathLike[str]], ks: Sequence[int] = tup
 # --- requantisation ----------------------------------------------------------------------
 
 
-def variant_path(src: Path, kind: str) -> Path:
-    """Where the ``kind`` variant of ``src`` goes: beside it, ``NAME.KIND.gguf``."""
-    return src.with_name(f"{src.stem}.{kind}.gguf")
-
-
-def check_variant(kind: str) -> str:
-    kind = kind.lower()
-    if kind not in VARIANTS:
-        raise EesdError(f"unknown weight type {kind!r}", hint=f"choose one of {', '.join(VARIANTS)}")
-    return kind
-
-
 def requantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], kind: str, *, force: bool = False,
                n_threads: int | None = None) -> Path:
     """Write ``src`` requantised to ``kind`` (every weight matrix, the LM head at Q8_0) at ``dst``.
@@ -141,8 +136,6 @@ def requantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], kind: s
     llama.cpp writes a temporary file beside ``dst`` in a child process; it is renamed onto
     ``dst`` only when complete. Ctrl-C or SIGTERM ends the child and removes the file; after
     a SIGKILL the child dies with this process and the next run removes its file."""
-    from eesd_local.gguf.check import check_gguf
-
     kind = check_variant(kind)
     src_path = check_gguf(Path(src))
     dst_path = Path(dst)
@@ -187,8 +180,6 @@ def _terminate_as_interrupt() -> Iterator[None]:
 
 def _die_with_parent(parent: int) -> None:
     """Linux: the kernel kills this process when its parent dies (even by SIGKILL)."""
-    import ctypes
-
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:  # the parent died before prctl took effect
@@ -197,9 +188,6 @@ def _die_with_parent(parent: int) -> None:
 
 def _quantize_child(src: str, dst: str, kind: str, threads: int) -> int:
     """The child's work: one llama_model_quantize call."""
-    import llama_cpp as lc
-
-    from eesd_local.llama.ggmlapi import init_backend
 
     init_backend()  # silences llama.cpp's per-tensor log unless EESD_LLAMA_LOG is set
     params = lc.llama_model_quantize_default_params()
@@ -217,9 +205,6 @@ def _quantize_child(src: str, dst: str, kind: str, threads: int) -> int:
 
 def tensor_types(path: str | os.PathLike[str]) -> dict[str, int]:
     """Weight type name -> number of tensors of that type (read from the header alone)."""
-    import gguf
-
-    from eesd_local.gguf.reader import read_header
 
     out: dict[str, int] = {}
     for t in read_header(Path(path)).tensors.values():
@@ -249,18 +234,8 @@ class Quality:
                 "identical_answers": self.identical_answers}
 
 
-def heldout_texts(n: int = 4) -> list[str]:
-    """Held-out text for teacher forcing: the bench's rewrite and code prompts (never trained on)."""
-    from eesd_local.tools.bench.prompts import load_prompts
-
-    items = load_prompts("rewrite", n_per_category=n) + load_prompts("code", n_per_category=n)
-    return [it.messages[0][1] for it in items]
-
-
 def _chat_tokens(model, text: str) -> list[int]:
     """A one-turn chat request, tokenized as Engine.apply_chat_template + tokenize do."""
-    from eesd_local.spec import chat
-
     bos = model.token_to_piece(model.bos, special=True).decode("utf-8", "replace") if model.add_bos else ""
     rendered = chat.render(model.chat_template(), [{"role": "user", "content": text}], add_generation_prompt=True,
                            bos_token=bos, eos_token="")
@@ -283,14 +258,11 @@ def _greedy(ctx, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def quality(src: str | os.PathLike[str], variant: str | os.PathLike[str], *, n_texts: int = 4, max_tokens: int = 256,
+def quality(src: str | os.PathLike[str], variant: str | os.PathLike[str], texts: list[str], *, max_tokens: int = 256,
             n_answers: int = 4, answer_tokens: int = 96, n_threads: int | None = None) -> Quality:
-    """Top-1 agreement of ``variant`` with ``src`` over held-out text (teacher-forced: both models read
-    the same tokens, every position compared), and the greedy answers of both on a few bench prompts."""
-    from eesd_local.spec.lossless import first_divergence
-    from eesd_local.llama.runtime import Context, ContextParams, Model
-
-    texts = heldout_texts(n_texts)
+    """Top-1 agreement of ``variant`` with ``src`` over held-out ``texts`` (teacher-forced: both models
+    read the same tokens, every position compared), and the greedy answers of both to the first few
+    (``eesd models requant`` passes the bench's held-out prompts, bench.prompts.heldout_texts)."""
     models = [Model(src), Model(variant)]
     ctxs = [Context(m, ContextParams(n_ctx=2048, n_batch=512, n_threads=n_threads)) for m in models]
     try:

@@ -20,15 +20,17 @@ import numpy as np
 
 from eesd_local.defaults import DRAFT_MAX
 from eesd_local.errors import EesdError
-from eesd_local.spec.controllers.jitcache import install as _install_jit_cache
-
-_install_jit_cache()  # before any kernel module compiles: see jitcache.py
-
-from eesd_local.spec.controllers import layout as L  # noqa: E402
-from eesd_local.spec.controllers.baselines import HEURISTIC_START  # noqa: E402
-from eesd_local.spec.controllers.kernels import controller_begin, controller_decide, controller_hindsight, controller_new_request, controller_update
-from eesd_local.spec.controllers.rng import seed_words  # noqa: E402
-from eesd_local.spec.controllers.thompson import BIN_PRIOR, DRAFT_MARGIN, POS_PRIOR, bin_prior_mean, ts_use_hindsight  # noqa: E402
+from eesd_local.spec.controllers import layout as L
+from eesd_local.spec.controllers.baselines import HEURISTIC_START
+from eesd_local.spec.controllers.kernels import (
+    controller_begin,
+    controller_decide,
+    controller_hindsight,
+    controller_new_request,
+    controller_update,
+)
+from eesd_local.spec.controllers.rng import seed_words
+from eesd_local.spec.controllers.thompson import BIN_PRIOR, DRAFT_MARGIN, POS_PRIOR, bin_prior_mean, ts_use_hindsight
 
 CONTROLLER_CHOICES = ["cost-ts", "beta-ts", "calibration-ts", "fixed:K", "pmin:P", "heuristic"]
 # cost-ts: >= 0.98 of the best fixed k in hindsight on every process and cost profile of `eesd simulate`

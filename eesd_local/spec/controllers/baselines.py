@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-from numba import njit
-
+from eesd_local.spec.controllers.jitcache import kernel
 from eesd_local.spec.controllers.layout import MAX_DRAFT, PARAM
 
 HEURISTIC_START = 5.0  # transformers' assistant starts at num_assistant_tokens = 5
 
 
-@njit(cache=True)
+@kernel
 def fixed_decide(state, step, confidence):
     return 1 if step < min(state[PARAM], state[MAX_DRAFT]) else 0
 
 
-@njit(cache=True)
+@kernel
 def pmin_decide(state, step, confidence):
     """llama.cpp's speculative p_min: stop once the drafter's probability of its last token < p_min.
 
@@ -26,12 +25,12 @@ def pmin_decide(state, step, confidence):
     return 1 if step == 0 or confidence >= state[PARAM] else 0
 
 
-@njit(cache=True)
+@kernel
 def heuristic_decide(state, step, confidence):
     return 1 if step < min(int(state[PARAM]), state[MAX_DRAFT]) else 0
 
 
-@njit(cache=True)
+@kernel
 def heuristic_update(state, confidences, n_accepted):
     """transformers' heuristic schedule: K += 2 when the whole draft was accepted, else K -= 1 (K >= 1)."""
     n = confidences.shape[0]

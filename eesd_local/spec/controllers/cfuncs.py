@@ -7,30 +7,30 @@ through ``address``. Compiled on first import (cached on disk like the kernels).
 
 from __future__ import annotations
 
-from numba import carray, cfunc, types
+from numba import carray, types
 
+from eesd_local.spec.controllers.jitcache import kernel_cfunc
 from eesd_local.spec.controllers.kernels import controller_begin, controller_decide, controller_hindsight, controller_update
 
 _state = types.CPointer(types.float64)
 
 
-@cfunc(types.void(_state, types.int64), cache=True)
+@kernel_cfunc(types.void(_state, types.int64))
 def begin_c(ptr, n):
     controller_begin(carray(ptr, n))
 
 
-@cfunc(types.int64(_state, types.int64, types.int64, types.float64), cache=True)
+@kernel_cfunc(types.int64(_state, types.int64, types.int64, types.float64))
 def decide_c(ptr, n, step, confidence):
     return controller_decide(carray(ptr, n), step, confidence)
 
 
-@cfunc(types.void(_state, types.int64, types.CPointer(types.float64), types.int64, types.int64, types.float64, types.float64),
-       cache=True)
+@kernel_cfunc(types.void(_state, types.int64, types.CPointer(types.float64), types.int64, types.int64, types.float64, types.float64))
 def update_c(ptr, n, conf, n_conf, n_accepted, t_draft, t_verify):
     controller_update(carray(ptr, n), carray(conf, n_conf), n_accepted, t_draft, t_verify)
 
 
-@cfunc(types.void(_state, types.int64, types.int64, types.int64, types.int64), cache=True)
+@kernel_cfunc(types.void(_state, types.int64, types.int64, types.int64, types.int64))
 def hindsight_c(ptr, n, match, n_offered, n_matched):
     controller_hindsight(carray(ptr, n), match, n_offered, n_matched)
 

@@ -3,29 +3,37 @@ and the header statistics (acceptance, timings) that ``belief()`` reports."""
 
 from __future__ import annotations
 
-from numba import njit
-
-from eesd_local.spec.controllers.layout import ALL_A, EMA_ACCEPTED, EMA_DRAFTED, EMA_T_DRAFT, EMA_T_VERIFY, N_T_DRAFT, N_T_VERIFY, ROUNDS
+from eesd_local.spec.controllers.jitcache import kernel
+from eesd_local.spec.controllers.layout import (
+    ALL_A,
+    EMA_ACCEPTED,
+    EMA_DRAFTED,
+    EMA_T_DRAFT,
+    EMA_T_VERIFY,
+    N_T_DRAFT,
+    N_T_VERIFY,
+    ROUNDS,
+)
 
 W_MIN = 0.05  # running mean over the first 20 samples, then an EMA with a ~20-sample memory
 POOLED_FORGET = 0.98  # the pooled acceptance posterior keeps ~1/(1-0.98) = 50 observations
 
 
-@njit(cache=True)
+@kernel
 def ema(old, new, n):
     """Running mean while n <= 1/W_MIN, exponential moving average after."""
     w = max(1.0 / n, W_MIN)
     return old + w * (new - old)
 
 
-@njit(cache=True)
+@kernel
 def discount(state, at, prior_a, prior_b, forget):
     """Age the Beta(alpha, beta) at state[at:at+2] toward its prior: alpha <- a0 + g (alpha - a0)."""
     state[at] = prior_a + forget * (state[at] - prior_a)
     state[at + 1] = prior_b + forget * (state[at + 1] - prior_b)
 
 
-@njit(cache=True)
+@kernel
 def observe(state, at, prior_a, prior_b, forget, accepted):
     """One Bernoulli outcome into the Beta(alpha, beta) at state[at:at+2].
 
@@ -37,7 +45,7 @@ def observe(state, at, prior_a, prior_b, forget, accepted):
     state[at + 1] += 1.0 - accepted
 
 
-@njit(cache=True)
+@kernel
 def update_header(state, confidences, n_accepted, t_draft, t_verify):
     n = confidences.shape[0]
     a = min(max(n_accepted, 0), n)

@@ -3,13 +3,15 @@
 Numba stamps a cached function with a hash of its own source file only, but a compiled
 function contains the code of everything it calls: after an edit to thompson.py, the
 cached kernels.controller_decide (and simulator.run_rounds) would go on running the old
-code. These locators stamp every kernel with one hash over all kernel files instead.
-They use Numba's cache-locator hook (numba.core.caching); should that move, caching
-falls back to Numba's default.
+code. Our kernels are compiled with :func:`kernel` and :func:`kernel_cfunc`, which give each its
+own cache (a subclass of Numba's FunctionCache) whose locators stamp it with one hash over all
+kernel files instead. Nothing of Numba's is patched: other Numba code in the process caches as
+before, and importing this module changes nothing. Should Numba's caching internals
+(numba.core.caching) move, the kernels fall back to Numba's own cache.
 
 Numba reads its cache files back without checking them: a damaged data file is unpickled
 into machine code that runs (or raises an UnpicklingError out of the first call). So the
-kernels' index and data files carry a content check (:mod:`..cachefile`): each file Numba
+kernels' index and data files carry a content check (:mod:`eesd_local.cachefile`): each file Numba
 writes for a kernel gets its digest, and a file that fails the check before Numba reads it is
 removed and its kernel compiled again.
 """
@@ -19,13 +21,20 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import numba
+from numba.core import caching, sigutils
+from numba.core.ccallback import CFunc
+from numba.core.dispatcher import Dispatcher
 
 from eesd_local import cachefile
 
 _PACKAGE = Path(__file__).resolve().parent
-KERNEL_FILES = tuple(sorted(_PACKAGE.glob("*.py"))) + (_PACKAGE.parent / "simulator.py",)
+# the kernel files: the controllers' and the simulator's (whose run_rounds calls them)
+KERNEL_FILES = tuple(sorted(_PACKAGE.glob("*.py"))) + (_PACKAGE.parent.parent / "tools" / "simulator.py",)
 
 
 @functools.lru_cache(maxsize=1)
@@ -52,60 +61,95 @@ def _stamped(base: type) -> type:
     return Locator
 
 
-@functools.lru_cache(maxsize=1)
-def install() -> bool:
-    """Put the locators first in Numba's list; True when installed."""
-    try:
-        from numba.core import caching
-    except ImportError:
-        return False
-    names = ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator")
-    bases = [b for b in (getattr(caching, name, None) for name in names) if isinstance(b, type)]
-    impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl", None)
-    if len(bases) != len(names) or not isinstance(getattr(impl, "_locator_classes", None), list):
-        return False
-    impl._locator_classes[:0] = [_stamped(b) for b in bases]  # type: ignore[union-attr]
-    files = getattr(caching, "IndexDataCacheFile", None)
-    if isinstance(files, type) and all(callable(getattr(files, n, None)) for n in _CHECKED):
-        _check_files(files)
-    return True
-
-
+_LOCATORS = ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator")
 _CHECKED = ("_load_index", "_save_index", "_load_data", "_save_data", "_data_path")
 
 
-def _check_files(files: type) -> None:
-    """Wrap Numba's cache-file reads and writes: the kernels' files (stamped with kernels_stamp())
-    get a digest when written and are checked before they are read; other functions' are untouched."""
-    load_index, save_index, load_data, save_data = (getattr(files, n) for n in _CHECKED[:4])
+def _cache_class() -> type | None:
+    """A FunctionCache for the kernels: stamped locators first, checked cache files; None where
+    Numba's caching internals are not the ones this was written against."""
+    bases = [getattr(caching, name, None) for name in _LOCATORS]
+    impl = getattr(caching, "CompileResultCacheImpl", None)
+    cache = getattr(caching, "FunctionCache", None)
+    files = getattr(caching, "IndexDataCacheFile", None)
+    if not all(isinstance(b, type) for b in bases) or not all(isinstance(c, type) for c in (impl, cache, files)):
+        return None
+    if not isinstance(getattr(impl, "_locator_classes", None), list) or not all(callable(getattr(files, n, None)) for n in _CHECKED):
+        return None
 
-    def ours(self: Any) -> bool:
-        return self._source_stamp == kernels_stamp()
+    class KernelCacheImpl(impl):  # type: ignore[misc, valid-type]
+        _locator_classes = [_stamped(b) for b in bases] + impl._locator_classes
 
-    def checked_load_index(self: Any) -> Any:
-        if ours(self) and os.path.exists(self._index_path) and not cachefile.intact(self._index_path):
-            cachefile.discard(self._index_path)  # every kernel of this file is compiled again
-            return {}
-        return load_index(self)
+    checked = _checked_files(files)
 
-    def checked_save_index(self: Any, overloads: Any) -> None:
-        save_index(self, overloads)
-        if ours(self):
+    class KernelCache(cache):  # type: ignore[misc, valid-type]
+        _impl_class = KernelCacheImpl
+
+        def __init__(self, py_func: Any) -> None:
+            super().__init__(py_func)
+            self._cache_file = checked(cache_path=self._cache_path, filename_base=self._impl.filename_base,
+                                       source_stamp=self._impl.locator.get_source_stamp())
+
+    return KernelCache
+
+
+_KERNEL_CACHE = _cache_class()
+
+
+def _cached(compiled: Any, py_func: Any) -> Any:
+    """``compiled`` (a dispatcher or a cfunc) with the kernels' cache, or Numba's own as a fallback."""
+    if _KERNEL_CACHE is None:
+        compiled.enable_caching()
+    else:
+        compiled._cache = _KERNEL_CACHE(py_func)  # what enable_caching() does, with our cache class
+    return compiled
+
+
+def kernel(fn: Callable) -> Any:
+    """``numba.njit(cache=True)`` for a controller or simulator kernel, cached with the stamp over
+    every kernel file."""
+    compiled = numba.njit(fn)
+    if not isinstance(compiled, Dispatcher):  # NUMBA_DISABLE_JIT: the Python function
+        return compiled
+    return _cached(compiled, compiled.py_func)
+
+
+def kernel_cfunc(sig: Any) -> Callable[[Callable], Any]:
+    """``numba.cfunc(sig, cache=True)`` for a kernel handed to the native loop, cached as :func:`kernel`."""
+
+    def wrap(fn: Callable) -> Any:
+        compiled = CFunc(fn, sigutils.normalize_signature(sig), locals={}, options={})
+        _cached(compiled, fn)
+        compiled.compile()
+        return compiled
+
+    return wrap
+
+
+def _checked_files(files: type) -> type:
+    """Numba's cache-file class with the kernels' files (all stamped with kernels_stamp()) given a
+    digest when written and checked before they are read."""
+
+    class CheckedCacheFile(files):  # type: ignore[misc, valid-type]
+        def _load_index(self) -> Any:
+            if os.path.exists(self._index_path) and not cachefile.intact(self._index_path):
+                cachefile.discard(self._index_path)  # every kernel of this file is compiled again
+                return {}
+            return super()._load_index()
+
+        def _save_index(self, overloads: Any) -> None:
+            super()._save_index(overloads)
             cachefile.record(self._index_path)
 
-    def checked_load_data(self: Any, name: str) -> Any:
-        path = self._data_path(name)
-        if ours(self) and not cachefile.intact(path):
-            cachefile.discard(path)
-            raise FileNotFoundError(path)  # Numba's load() reads an OSError as "not cached": it compiles
-        return load_data(self, name)
+        def _load_data(self, name: str) -> Any:
+            path = self._data_path(name)
+            if not cachefile.intact(path):
+                cachefile.discard(path)
+                raise FileNotFoundError(path)  # Numba's load() reads an OSError as "not cached": it compiles
+            return super()._load_data(name)
 
-    def checked_save_data(self: Any, name: str, data: Any) -> None:
-        save_data(self, name, data)
-        if ours(self):
+        def _save_data(self, name: str, data: Any) -> None:
+            super()._save_data(name, data)
             cachefile.record(self._data_path(name))
 
-    files._load_index = checked_load_index  # type: ignore[attr-defined]
-    files._save_index = checked_save_index  # type: ignore[attr-defined]
-    files._load_data = checked_load_data  # type: ignore[attr-defined]
-    files._save_data = checked_save_data  # type: ignore[attr-defined]
+    return CheckedCacheFile

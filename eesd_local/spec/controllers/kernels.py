@@ -12,16 +12,15 @@ C-friendly signatures, so the native round loop takes the same code as Numba ``c
 
 from __future__ import annotations
 
-from numba import njit
-
 from eesd_local.spec.controllers.baselines import fixed_decide, heuristic_decide, heuristic_update, pmin_decide
 from eesd_local.spec.controllers.common import update_header
+from eesd_local.spec.controllers.jitcache import kernel
 from eesd_local.spec.controllers.layout import FIXED, HEURISTIC, KIND, MULTI, PMIN, RULE, THOMPSON
 from eesd_local.spec.controllers.multi import multi_begin, multi_decide, multi_hindsight, multi_new_request, multi_update
 from eesd_local.spec.controllers.thompson import ts_begin, ts_decide, ts_hindsight, ts_new_request, ts_update
 
 
-@njit(cache=True)
+@kernel
 def controller_begin(state):
     if state[KIND] == THOMPSON:
         ts_begin(state)
@@ -29,7 +28,7 @@ def controller_begin(state):
         multi_begin(state)
 
 
-@njit(cache=True)
+@kernel
 def controller_decide(state, step, confidence):
     kind = state[KIND]
     if kind == THOMPSON:
@@ -45,7 +44,7 @@ def controller_decide(state, step, confidence):
     return 0
 
 
-@njit(cache=True)
+@kernel
 def controller_update(state, confidences, n_accepted, t_draft, t_verify):
     update_header(state, confidences, n_accepted, t_draft, t_verify)
     kind = state[KIND]
@@ -57,7 +56,7 @@ def controller_update(state, confidences, n_accepted, t_draft, t_verify):
         heuristic_update(state, confidences, n_accepted)
 
 
-@njit(cache=True)
+@kernel
 def controller_hindsight(state, match, n_offered, n_matched):
     """A free offer (prompt lookup's n_offered tokens at match length ``match``) whose first n_matched
     tokens the target went on to emit: a no-op but for controllers that learn in hindsight
@@ -69,7 +68,7 @@ def controller_hindsight(state, match, n_offered, n_matched):
         multi_hindsight(state, match, n_offered, n_matched)
 
 
-@njit(cache=True)
+@kernel
 def controller_new_request(state):
     """A new request begins (called from Python, between generations)."""
     if state[KIND] == THOMPSON and state[RULE] == 0.0:

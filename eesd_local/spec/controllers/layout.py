@@ -8,7 +8,7 @@ b = 1..K+1, and the per-position acceptance chances sampled at the start of a ro
 
 from __future__ import annotations
 
-from numba import njit
+from eesd_local.spec.controllers.jitcache import kernel
 
 # controller kinds
 FIXED = 1
@@ -80,25 +80,25 @@ POS0 = BIN0 + BIN_WIDTH * N_BINS  # K triples (alpha, beta, predicted), one per 
 POS_WIDTH = 3
 
 
-@njit(cache=True)
+@kernel
 def vc0(k):
     """K+1 pairs (mean seconds, sample count) of the verify time for batch sizes 1..K+1."""
     return POS0 + POS_WIDTH * k
 
 
-@njit(cache=True)
+@kernel
 def ve0(k):
     """K+1 verify-time estimates used by the plan (observed, interpolated or assumed)."""
     return vc0(k) + 2 * (k + 1)
 
 
-@njit(cache=True)
+@kernel
 def th0(k):
     """K sampled per-position acceptance chances for the current round, then K posterior means."""
     return ve0(k) + (k + 1)
 
 
-@njit(cache=True)
+@kernel
 def thompson_size(k):
     return th0(k) + 2 * k
 

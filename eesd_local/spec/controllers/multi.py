@@ -23,14 +23,44 @@ that resumes it.
 
 from __future__ import annotations
 
-from numba import njit
-
 from eesd_local.spec.controllers.common import discount, update_header
-from eesd_local.spec.controllers.layout import BEHIND, FORGET, HINDSIGHT, LAMBDA, MAX_DRAFT, MULTI_HEAD, N_SRC, NO_BONUS, OFFER_CONF, OFFER_MATCH, OFFER_N, OPEN, POS0, PROBE, REQ_SEEN, SOURCE, SRC_LOOKUP, SRC_MODEL, SRC_NONE, T_CATCHUP, thompson_size
-from eesd_local.spec.controllers.thompson import REQUEST_PROBES, record_verify, refresh_verify_estimates, ts_begin, ts_decide, ts_hindsight, ts_new_request, ts_update
+from eesd_local.spec.controllers.jitcache import kernel
+from eesd_local.spec.controllers.layout import (
+    BEHIND,
+    FORGET,
+    HINDSIGHT,
+    LAMBDA,
+    MAX_DRAFT,
+    MULTI_HEAD,
+    N_SRC,
+    NO_BONUS,
+    OFFER_CONF,
+    OFFER_MATCH,
+    OFFER_N,
+    OPEN,
+    POS0,
+    PROBE,
+    REQ_SEEN,
+    SOURCE,
+    SRC_LOOKUP,
+    SRC_MODEL,
+    SRC_NONE,
+    T_CATCHUP,
+    thompson_size,
+)
+from eesd_local.spec.controllers.thompson import (
+    REQUEST_PROBES,
+    record_verify,
+    refresh_verify_estimates,
+    ts_begin,
+    ts_decide,
+    ts_hindsight,
+    ts_new_request,
+    ts_update,
+)
 
 
-@njit(cache=True)
+@kernel
 def source_state(state, s):
     """Source s's Thompson state (a view into the multi-source state)."""
     size = thompson_size(int(state[MAX_DRAFT]))
@@ -38,7 +68,7 @@ def source_state(state, s):
     return state[at : at + size]
 
 
-@njit(cache=True)
+@kernel
 def multi_begin(state):
     n_src = int(state[N_SRC])
     best = SRC_NONE
@@ -72,7 +102,7 @@ def multi_begin(state):
     state[NO_BONUS] = source_state(state, src)[NO_BONUS] if src != SRC_NONE else 0.0
 
 
-@njit(cache=True)
+@kernel
 def multi_decide(state, step, confidence):
     src = int(state[SOURCE])
     if src < 0:
@@ -80,7 +110,7 @@ def multi_decide(state, step, confidence):
     return ts_decide(source_state(state, src), step, confidence)
 
 
-@njit(cache=True)
+@kernel
 def multi_update(state, confidences, n_accepted, t_draft, t_verify):
     """The outer header was updated by the caller (controller_update)."""
     n_src = int(state[N_SRC])
@@ -104,13 +134,13 @@ def multi_update(state, confidences, n_accepted, t_draft, t_verify):
             refresh_verify_estimates(sub)
 
 
-@njit(cache=True)
+@kernel
 def multi_new_request(state):
     for s in range(int(state[N_SRC])):
         ts_new_request(source_state(state, s))
 
 
-@njit(cache=True)
+@kernel
 def multi_hindsight(state, match, n_offered, n_matched):
     """Prompt lookup's offer seen in hindsight: its source learns from it (thompson.ts_hindsight)."""
     ts_hindsight(source_state(state, SRC_LOOKUP), match, n_offered, n_matched)

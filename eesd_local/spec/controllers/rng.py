@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from numba import njit
+from eesd_local.spec.controllers.jitcache import kernel
 
 MASK32 = 0xFFFFFFFF
 MASK64 = 0xFFFFFFFFFFFFFFFF
@@ -35,12 +35,12 @@ def seed_words(seed: int) -> list[int]:
     return words[:RNG_WORDS]
 
 
-@njit(cache=True)
+@kernel
 def _rotl32(x, k):
     return ((x << k) | (x >> (32 - k))) & MASK32
 
 
-@njit(cache=True)
+@kernel
 def next_u32(state, at):
     """Next 32-bit output of the xoshiro128** generator whose words sit at state[at:at+4]."""
     s0 = int(state[at])
@@ -62,13 +62,13 @@ def next_u32(state, at):
     return result
 
 
-@njit(cache=True)
+@kernel
 def uniform(state, at):
     """U(0, 1), never exactly 0 or 1: (n + 1/2) / 2**32."""
     return (next_u32(state, at) + 0.5) / TWO32
 
 
-@njit(cache=True)
+@kernel
 def normal(state, at):
     """N(0, 1) by Box-Muller: sqrt(-2 ln u1) cos(2 pi u2)."""
     u1 = uniform(state, at)
@@ -76,7 +76,7 @@ def normal(state, at):
     return math.sqrt(-2.0 * math.log(u1)) * math.cos(2.0 * math.pi * u2)
 
 
-@njit(cache=True)
+@kernel
 def gamma(state, at, shape):
     """Gamma(shape, 1) by Marsaglia and Tsang (2000).
 
@@ -102,7 +102,7 @@ def gamma(state, at, shape):
             return d * v * boost
 
 
-@njit(cache=True)
+@kernel
 def beta(state, at, a, b):
     """Beta(a, b) as X / (X + Y) with X ~ Gamma(a), Y ~ Gamma(b)."""
     x = gamma(state, at, a)

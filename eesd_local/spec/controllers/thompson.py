@@ -84,10 +84,46 @@ from __future__ import annotations
 
 import math
 
-from numba import njit
-
 from eesd_local.spec.controllers.common import discount, ema, observe
-from eesd_local.spec.controllers.layout import ALL_A, ALL_B, BATCH_COSTS, BEHIND, BIN0, BIN_WIDTH, EMA_T_DRAFT, EMA_T_VERIFY, EPS, FORGET, HINDSIGHT, LAMBDA, MARGIN, MAX_DRAFT, N_BINS, N_RESUME, NO_BONUS, OFFER_CONF, OFFER_MATCH, OFFER_N, OPEN, POS0, POS_WIDTH, PREFIX, PROBE, REQ_SEEN, RESUME, RNG, RULE, STRETCH, STRETCH_MEAN, T_CATCHUP, USE_BINS, th0, vc0, ve0
+from eesd_local.spec.controllers.jitcache import kernel
+from eesd_local.spec.controllers.layout import (
+    ALL_A,
+    ALL_B,
+    BATCH_COSTS,
+    BEHIND,
+    BIN0,
+    BIN_WIDTH,
+    EMA_T_DRAFT,
+    EMA_T_VERIFY,
+    EPS,
+    FORGET,
+    HINDSIGHT,
+    LAMBDA,
+    MARGIN,
+    MAX_DRAFT,
+    N_BINS,
+    N_RESUME,
+    NO_BONUS,
+    OFFER_CONF,
+    OFFER_MATCH,
+    OFFER_N,
+    OPEN,
+    POS0,
+    POS_WIDTH,
+    PREFIX,
+    PROBE,
+    REQ_SEEN,
+    RESUME,
+    RNG,
+    RULE,
+    STRETCH,
+    STRETCH_MEAN,
+    T_CATCHUP,
+    USE_BINS,
+    th0,
+    vc0,
+    ve0,
+)
 from eesd_local.spec.controllers.rng import beta, uniform
 
 BIN_PRIOR = 2.0  # prior strength of a confidence bin, centred on the bin's confidence
@@ -106,20 +142,20 @@ MATCH_FORGET = 0.99  # a match-length class keeps ~100 observations (HINDSIGHT)
 DRAFT_MARGIN = 0.05  # cost-ts: a round drafts only if its plan beats plain decoding's rate by this share (state[MARGIN])
 
 
-@njit(cache=True)
+@kernel
 def conf_bin(confidence):
     """Bins equal in sqrt(1 - c), finer near c = 1 where drafters put most tokens."""
     c = min(max(confidence, 0.0), 1.0)
     return min(int(N_BINS * (1.0 - math.sqrt(1.0 - c))), N_BINS - 1)
 
 
-@njit(cache=True)
+@kernel
 def bin_prior_mean(i):
     u = 1.0 - (i + 0.5) / N_BINS
     return 1.0 - u * u
 
 
-@njit(cache=True)
+@kernel
 def _size_mean(state, vc, b):
     """Mean seconds of a verify of b + 1 tokens: a batch of one is kept in seconds, a larger one as its
     ratio to a batch of one at the time (record_verify), so a machine that gets busier or quieter moves
@@ -127,7 +163,7 @@ def _size_mean(state, vc, b):
     return state[vc] if b == 0 else state[vc + 2 * b] * state[vc]
 
 
-@njit(cache=True)
+@kernel
 def record_verify(state, b, t_verify):
     """One verify of b + 1 tokens that took t_verify seconds into the per-size means (cost-aware TS)."""
     k = int(state[MAX_DRAFT])
@@ -140,7 +176,7 @@ def record_verify(state, b, t_verify):
         state[vc] = ema(state[vc], t_verify / state[vc0(k)], state[vc + 1])
 
 
-@njit(cache=True)
+@kernel
 def refresh_verify_estimates(state):
     """V(b) for b = 1..K+1 into the VE block.
 
@@ -191,25 +227,25 @@ def refresh_verify_estimates(state):
         state[ve + b] = state[ve + top]
 
 
-@njit(cache=True)
+@kernel
 def _odds(p):
     p = min(max(p, THETA_CLAMP), 1.0 - THETA_CLAMP)
     return p / (1.0 - p)
 
 
-@njit(cache=True)
+@kernel
 def _prob(odds):
     return odds / (1.0 + odds)
 
 
-@njit(cache=True)
+@kernel
 def _mean_ratio(state, at):
     """odds(posterior mean) / odds(predicted mean) of a triple (alpha, beta, predicted)."""
     n = state[at] + state[at + 1]
     return _odds(state[at] / n) / _odds(state[at + 2] / n)
 
 
-@njit(cache=True)
+@kernel
 def _observe_ratio(state, at, strength, prior_mean, accepted, predicted):
     """One outcome into a triple; the prior says 'as predicted' (ratio 1) with this strength."""
     a0 = strength * prior_mean
@@ -217,7 +253,7 @@ def _observe_ratio(state, at, strength, prior_mean, accepted, predicted):
     observe(state, at, a0, strength - a0, RATIO_FORGET, accepted)
 
 
-@njit(cache=True)
+@kernel
 def plan_limit(state):
     """Most tokens this round's plan counts on: MAX_DRAFT, or fewer when the drafter's free
     proposals (OFFER_N, prompt lookup's continuation) are all it has."""
@@ -226,7 +262,7 @@ def plan_limit(state):
     return min(k, n) if n > 0 else k
 
 
-@njit(cache=True)
+@kernel
 def offer_ratio(state, sampled):
     """Odds ratio of position 1 given the offer's confidence (the calibration bin of OFFER_CONF):
     a lookup that matched a long n-gram is a safer bet than one that matched a single token.
@@ -240,7 +276,7 @@ def offer_ratio(state, sampled):
     return _odds(theta) / _odds(state[b + 2] / n)
 
 
-@njit(cache=True)
+@kernel
 def resume_cost(state):
     """Seconds of a draft model's catching up on BEHIND tokens charged to the round that resumes it:
     paid once, before its first draft, and then good for the whole stretch of rounds it drafts before
@@ -257,7 +293,7 @@ def resume_cost(state):
     return behind * state[RESUME] * per_round
 
 
-@njit(cache=True)
+@kernel
 def ts_begin(state):
     k = int(state[MAX_DRAFT])
     state[PREFIX] = 1.0
@@ -314,7 +350,7 @@ def ts_begin(state):
         state[PROBE] = 1.0
 
 
-@njit(cache=True)
+@kernel
 def _best_rate(state, odds_1, out, ve, d, k, resume):
     """Write p_1..p_k for position-1 odds odds_1 to state[out:out+k]; return max_n E[N_n] / C_n
     over n = 0..k (C_n: n draft steps, the verify of n + 1 tokens, and resuming when n > 0).
@@ -329,7 +365,7 @@ def _best_rate(state, odds_1, out, ve, d, k, resume):
     return _rate_of(state, out, ve, d, k, resume)
 
 
-@njit(cache=True)
+@kernel
 def _rate_of(state, out, ve, d, k, resume):
     """max_n E[N_n] / C_n over n = 0..k for the chances p_1..p_k at state[out:out+k]."""
     lam = 0.0
@@ -357,25 +393,25 @@ def _rate_of(state, out, ve, d, k, resume):
 # runs, an essay matches short phrases that its answer does not continue), forgetting by MATCH_FORGET.
 
 
-@njit(cache=True)
+@kernel
 def match_class(length):
     return min(max(int(length), 1), N_BINS) - 1
 
 
-@njit(cache=True)
+@kernel
 def match_prior_mean(c):
     """Before any evidence: a longer match is a safer bet (1 token 0.25, 4 tokens 0.62, 10 or more 0.9)."""
     return 1.0 - 0.75 * 0.8 ** c
 
 
-@njit(cache=True)
+@kernel
 def _match_prior(c):
     """(alpha, beta) of match-length class c before any evidence."""
     m = match_prior_mean(c)
     return MATCH_PRIOR * m, MATCH_PRIOR * (1.0 - m)
 
 
-@njit(cache=True)
+@kernel
 def ts_use_hindsight(state):
     """Turn HINDSIGHT on: the confidence bins become match-length classes at their prior."""
     state[HINDSIGHT] = 1.0
@@ -385,13 +421,13 @@ def ts_use_hindsight(state):
         state[at + 2] = 0.0
 
 
-@njit(cache=True)
+@kernel
 def _match_mean(state, length):
     at = BIN0 + BIN_WIDTH * match_class(length)
     return state[at] / (state[at] + state[at + 1])
 
 
-@njit(cache=True)
+@kernel
 def _hindsight_begin(state):
     """Plan the round from the match-length classes' means (OFFER_MATCH: the offer's match length)."""
     k = int(state[MAX_DRAFT])
@@ -414,7 +450,7 @@ def _hindsight_begin(state):
     state[OPEN] = 1.0 if v1 > 0.0 and lam > (1.0 + state[MARGIN]) / v1 else 0.0
 
 
-@njit(cache=True)
+@kernel
 def ts_hindsight(state, match, n_offered, n_matched):
     """An offer of n_offered tokens at match length ``match``, of which the target went on to emit
     the first n_matched: one observation per token up to the first miss (HINDSIGHT on)."""
@@ -429,7 +465,7 @@ def ts_hindsight(state, match, n_offered, n_matched):
     state[REQ_SEEN] += 1.0
 
 
-@njit(cache=True)
+@kernel
 def ts_decide(state, step, confidence):
     k = int(state[MAX_DRAFT])
     if step >= k:
@@ -469,7 +505,7 @@ def ts_decide(state, step, confidence):
     return 0
 
 
-@njit(cache=True)
+@kernel
 def _paper_decide(state, step, confidence):
     if step > 0 and state[USE_BINS] != 0.0:
         b = BIN0 + BIN_WIDTH * conf_bin(confidence)
@@ -479,7 +515,7 @@ def _paper_decide(state, step, confidence):
     return 1 if uniform(state, RNG) < theta else 0
 
 
-@njit(cache=True)
+@kernel
 def _learn(state, confidences, n, a):
     """Acceptance evidence of n drafts (or offered tokens) of which the first a were accepted:
     positions 1..min(a + 1, n) are observed, each conditional on the ones before it."""
@@ -499,7 +535,7 @@ def _learn(state, confidences, n, a):
     state[REQ_SEEN] += 1.0
 
 
-@njit(cache=True)
+@kernel
 def ts_update(state, confidences, n_accepted, t_verify):
     n = confidences.shape[0]
     a = min(max(n_accepted, 0), n)
@@ -522,7 +558,7 @@ def ts_update(state, confidences, n_accepted, t_verify):
     refresh_verify_estimates(state)
 
 
-@njit(cache=True)
+@kernel
 def ts_new_request(state):
     """A new request: how often theta_1's drafts are accepted depends on the request (a rewrite
     copies its input, an essay does not), so its evidence from earlier requests is thinned to
@@ -549,7 +585,7 @@ def ts_new_request(state):
         _thin(state, BIN0 + BIN_WIDTH * j, b0, BIN_PRIOR - b0, REQUEST_RATIO_EVIDENCE, True)
 
 
-@njit(cache=True)
+@kernel
 def _thin(state, at, a0, b0, keep, predicted):
     """Thin the Beta (alpha, beta) at state[at:at+2] to ``keep`` observations beyond its prior (a0, b0),
     around the same mean; ``predicted``: the triple's third entry (what was predicted) goes alike."""

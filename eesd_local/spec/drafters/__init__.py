@@ -7,13 +7,21 @@ for the model or a draft model is given, that model drafter: the controller pick
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eesd_local.errors import EesdError
-from eesd_local.tools.registry import resolve_model
+from eesd_local.gguf import headfile as heads
+from eesd_local.gguf.check import check_gguf
+from eesd_local.gguf.headfile import check_head_for
+from eesd_local.llama import native
+from eesd_local.llama.catalog import resolve_model
+from eesd_local.llama.trunk import SPLIT_ARCHS
 from eesd_local.spec.drafters.auto import AutoDrafter
 from eesd_local.spec.drafters.base import Drafter, NoDrafter, Offer, Proposal
+from eesd_local.spec.drafters.hierarchical import HierarchicalDrafter
 from eesd_local.spec.drafters.lookup import LookupDrafter
+from eesd_local.spec.drafters.model import ModelDrafter
 
 if TYPE_CHECKING:
     from eesd_local.llama.runtime import Model
@@ -31,8 +39,6 @@ def n_sources(drafter: Any) -> int:
 
 def _eesd_draft_path(config: Any, model: Model, required: bool) -> Any:
     """The draft GGUF (target's first N layers + exit head), or None when no head is known."""
-    from eesd_local.tools import heads
-
     if config.head:
         head = resolve_head(config.head)
     else:
@@ -48,10 +54,6 @@ def _eesd_draft_path(config: Any, model: Model, required: bool) -> Any:
 
 
 def resolve_head(spec: str) -> Any:
-    from pathlib import Path
-
-    from eesd_local.gguf.check import check_gguf
-
     return check_gguf(Path(spec).expanduser(), what="head")
 
 
@@ -60,11 +62,6 @@ def shared_trunk_plan(config: Any, model_path: Any) -> tuple[tuple[Any, int] | N
     exit head's trunk (:mod:`..trunk`): a drafter that uses the exit head, a head made for this
     model, a supported architecture and the native capture; else (None, why not) and one
     full-model context (the head, if any, then runs as a separate draft model)."""
-    from eesd_local.tools import heads
-    from eesd_local.gguf.headfile import check_head_for
-    from eesd_local.spec.native_round import _load
-    from eesd_local.llama.trunk import SPLIT_ARCHS
-
     kind = config.drafter
     wanted = getattr(config, "shared_trunk", None)
     if wanted is None:  # the default: where the exit head drafts every round it may (see EngineConfig.shared_trunk)
@@ -79,16 +76,13 @@ def shared_trunk_plan(config: Any, model_path: Any) -> tuple[tuple[Any, int] | N
     info, _ = check_head_for(model_path, head)  # a head for another model: its own clear error
     if info["arch"] not in SPLIT_ARCHS:
         return None, f"no shared trunk for {info['arch']} models (it runs {' and '.join(SPLIT_ARCHS)})"
-    if _load()[0] is None:
+    if native.load()[0] is None:
         return None, "no shared trunk without the native extension"  # the capture is in C++
     return (head, int(info["exit_layer"])), ""
 
 
 def make_drafter(config: Any, model: Model, trunk: Any = None) -> tuple[Drafter, str]:
     """``trunk``: the shared trunk+exit context of a split target; the exit head then drafts on it."""
-    from eesd_local.spec.drafters.hierarchical import HierarchicalDrafter
-    from eesd_local.spec.drafters.model import ModelDrafter
-
     kind = config.drafter
     if not isinstance(kind, str):  # a drafter object (anything with the Drafter protocol's methods)
         return kind, f"drafter: {kind.name}"

@@ -17,8 +17,8 @@ import numpy as np
 
 from eesd_local.errors import EesdError
 from eesd_local.llama.runtime import Context, ContextParams, Model, common_prefix
-from eesd_local.spec.sampling import SamplingParams, Uniform, probs, sample
 from eesd_local.spec.drafters.base import SRC_ANY, NativeSpec, Offer, Proposal, WantMore
+from eesd_local.spec.sampling import SamplingParams, Uniform, probs, sample
 
 
 def check_same_vocab(target: Model, draft: Model, what: str) -> None:

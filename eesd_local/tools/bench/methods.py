@@ -19,7 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from llama_cpp import Llama, llama_model_size
+from llama_cpp.llama_speculative import LlamaDraftModel, LlamaPromptLookupDecoding
+
 from eesd_local.errors import EesdError
+from eesd_local.gguf.reader import bytes_read_per_token
+from eesd_local.llama.catalog import registry_name_for
+from eesd_local.llama.runtime import setup_process
+from eesd_local.llama.trunk import measure_trunk_share
+from eesd_local.spec.controllers import make_controller
 from eesd_local.spec.events import FinishEvent, Stats, TokenEvent
 
 PEER = "llama-cpp-python"
@@ -82,8 +90,6 @@ def _parse_one(name: str, controller: str | None) -> MethodSpec:
         return MethodSpec(name, name, None if name == "none" else controller)
     drafter, at, ctl = name.partition("@")
     if at and drafter in ENGINE_DRAFTERS and drafter != "none":
-        from eesd_local.spec.controllers import make_controller
-
         make_controller(ctl)  # a bad spec fails here, before any model loads
         return MethodSpec(name, drafter, ctl)
     m = re.fullmatch(r"(auto|eesd|lookup|draft-model|hierarchical)-fixed:(\d+)", name)
@@ -115,8 +121,6 @@ def _parse_one(name: str, controller: str | None) -> MethodSpec:
 
 
 def default_draft_model(model_path: Path) -> str | None:
-    from eesd_local.llama.catalog import registry_name_for
-
     return DEFAULT_DRAFT_MODELS.get(registry_name_for(model_path) or "")
 
 
@@ -177,8 +181,6 @@ class EngineMethod:
             self.model_bytes = int(engine.ctx.weight_bytes)
             draft = engine.trunk.model
         if draft is not None:
-            from eesd_local.gguf.reader import bytes_read_per_token
-
             share = bytes_read_per_token(Path(draft.path)) / max(1, bytes_read_per_token(Path(engine.model.path)))
             names = getattr(engine.drafter, "source_name", None)
             self.draft_share[names(1) if names else engine.drafter.name] = share
@@ -186,8 +188,6 @@ class EngineMethod:
     def measure_trunk(self, prompt: list[int]) -> None:
         """Time the shared trunk's part of a target token (after the warm-up; the cache is left empty)."""
         if self.engine.trunk is not None and len(prompt) >= 2:
-            from eesd_local.llama.trunk import measure_trunk_share
-
             with self.engine._lock:
                 self.trunk_share = measure_trunk_share(self.engine.ctx, prompt)
 
@@ -221,8 +221,6 @@ class EngineMethod:
 def _counting_draft(inner: Any) -> Any:
     """llama-cpp-python's draft model wrapped to count drafts and time them: it yields
     plain tokens, so acceptance is read off which yielded tokens equal the draft."""
-    from llama_cpp.llama_speculative import LlamaDraftModel
-
     class CountingDraft(LlamaDraftModel):
         def __init__(self) -> None:
             self.start()
@@ -262,9 +260,6 @@ class PeerMethod:
 
     def __init__(self, spec: MethodSpec, model_path: Path, *, n_ctx: int, n_threads: int, n_gpu_layers: int,
                  is_eog: Callable[[int], bool]) -> None:
-        from llama_cpp import Llama, llama_model_size
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
         self.spec = spec
         self.is_eog = is_eog
         self.counter = None
@@ -275,6 +270,7 @@ class PeerMethod:
             k = spec.peer_lookup if spec.peer_lookup > 0 else (10 if n_gpu_layers else 2)
             self.counter = _counting_draft(LlamaPromptLookupDecoding(num_pred_tokens=k))
             self.drafter, self.controller = "llama-cpp-python prompt lookup", f"num_pred_tokens={k}"
+        setup_process()  # llama.cpp's safe model defaults for this Llama too
         self.llm = Llama(model_path=str(model_path), n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
                          n_gpu_layers=n_gpu_layers, draft_model=self.counter, verbose=False)
         self.model_bytes = int(llama_model_size(self.llm.model))

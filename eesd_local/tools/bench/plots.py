@@ -17,11 +17,11 @@ PLOTS = ("speedup.png", "acceptance_by_position.png", "draft_length.png")
 
 def _pyplot() -> Any:
     try:
-        import matplotlib
+        import matplotlib  # noqa: PLC0415 - matplotlib: optional (train extra), only for plots
     except ImportError:
         raise EesdError("--plots needs matplotlib", hint="pip install matplotlib") from None
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 - matplotlib: optional (train extra), only for plots
 
     return plt
 

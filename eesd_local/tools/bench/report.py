@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from rich.table import Table
+
 from eesd_local.spec.events import Stats
 from eesd_local.tools.bench.runner import Results, Run, machine_info
 
@@ -204,8 +206,6 @@ def exactness_failures(res: Results, summary: dict[str, dict[str, dict[str, Any]
 
 def tables(res: Results, summary: dict[str, dict[str, dict[str, Any]]]) -> list[Any]:
     """One rich Table per category."""
-    from rich.table import Table
-
     cats = [c for c in [*res.categories, ALL] if any(c in v for v in summary.values())]
     out = []
     for cat in cats:

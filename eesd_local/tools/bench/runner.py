@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import platform
+import resource
+import shutil
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,13 +25,27 @@ from pathlib import Path
 
 import numpy as np
 
-from eesd_local.spec import lossless
 from eesd_local.defaults import DRAFT_MAX
 from eesd_local.errors import EesdError
 from eesd_local.llama.runtime import Context, ContextParams, Model, default_threads
-from eesd_local.tools.bench.methods import EngineMethod, Method, MethodSpec, PeerMethod, Sampling, Turn, default_draft_model, parse_methods
+from eesd_local.spec import lossless
+from eesd_local.spec.drafters import resolve_head
+from eesd_local.spec.engine import Engine, EngineConfig
+from eesd_local.tools import heads
+from eesd_local.tools.bench.methods import (
+    EngineMethod,
+    Method,
+    MethodSpec,
+    PeerMethod,
+    Sampling,
+    Turn,
+    default_draft_model,
+    parse_methods,
+)
 from eesd_local.tools.bench.prompts import PromptItem, load_prompts
-from eesd_local.tools.bench.servers import PeerFailed, stop_all
+from eesd_local.tools.bench.servers import HttpPeer, LlamaServerPeer, PeerFailed, stop_all
+from eesd_local.tools.prepare import prepare
+from eesd_local.tools.registry import resolve_model
 
 # progress(done, total, what): done == 0 while methods load and warm up
 Progress = Callable[[int, int, str], None]
@@ -135,8 +153,6 @@ def peak_rss_bytes() -> int | None:
     """The process's resident-memory high-water mark."""
     peak = _proc_status("VmHWM")
     if peak is None:
-        import resource
-
         ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         peak = ru if sys.platform == "darwin" else ru * 1024  # bytes on macOS, KiB on Linux
     return peak
@@ -147,9 +163,6 @@ def peak_rss_bytes() -> int | None:
 
 def plan_methods(cfg: BenchConfig, model_path: Path) -> tuple[list[MethodSpec], str | None, str | None]:
     """The method specs, the exit head and the draft model they need; fails before anything loads."""
-    from eesd_local.tools import heads
-    from eesd_local.spec.drafters import resolve_head
-
     specs = parse_methods(cfg.methods, cfg.controller)
     head: str | None = None
     draft_model = cfg.draft_model
@@ -175,13 +188,8 @@ _TRUNK_TEXT = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fi
 
 def open_method(spec: MethodSpec, cfg: BenchConfig, model_path: Path, head: str | None, draft_model: str | None,
                 ref: EngineMethod | None) -> Method:
-    from eesd_local.api import load
-
     threads = cfg.n_threads or default_threads()
     if spec.drafter in ("server", "http"):
-        from eesd_local.tools.registry import resolve_model
-        from eesd_local.tools.bench.servers import HttpPeer, LlamaServerPeer
-
         dm = resolve_model(draft_model) if draft_model else None
         if spec.drafter == "server":
             return LlamaServerPeer(spec, model_path, n_ctx=cfg.n_ctx, n_threads=threads, n_gpu_layers=cfg.n_gpu_layers,
@@ -200,7 +208,9 @@ def open_method(spec: MethodSpec, cfg: BenchConfig, model_path: Path, head: str 
         kw["head"] = cfg.head
     if spec.drafter == "draft-model" or (spec.drafter == "hierarchical" and head is None):
         kw["draft_model"] = draft_model
-    return EngineMethod(spec, load(str(model_path), **kw))
+    config = EngineConfig(model=str(model_path), **kw)
+    prepare(config)
+    return EngineMethod(spec, Engine(config))
 
 
 def _messages(pairs: tuple[tuple[str, str], ...] | list[tuple[str, str]]) -> list[dict[str, str]]:
@@ -301,8 +311,6 @@ def _warm_up(method: Method, ref: EngineMethod, tokens: int) -> None:
 def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> Results:
     """Load every method, warm it up, then run prompts x methods interleaved. Ctrl-C ends
     the loop early; the results then hold what was measured (``complete`` is False)."""
-    from eesd_local.tools.registry import resolve_model
-
     if cfg.repeats < 1:
         raise EesdError(f"--repeats must be at least 1, got {cfg.repeats}")
     if cfg.max_tokens < 1:
@@ -348,7 +356,7 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> Results:
                                                 m.exact, spec.is_peer)
         assert ref is not None
         if cfg.cost_repeats > 0:
-            from eesd_local.tools.weights import COST_KS, batch_costs
+            from eesd_local.tools.weights import COST_KS, batch_costs  # noqa: PLC0415 - optional dependency
 
             report(0, res.n_planned, "measuring B(k)")
             table = batch_costs([model_path], COST_KS, repeats=cfg.cost_repeats, n_threads=res.n_threads)[0]
@@ -393,8 +401,6 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> Results:
 
 def machine_info(cfg: BenchConfig, n_threads: int) -> dict:
     """Cores, CPU, GPU (when layers are offloaded) and the library versions."""
-    import platform
-
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -407,7 +413,7 @@ def machine_info(cfg: BenchConfig, n_threads: int) -> dict:
     if cfg.n_gpu_layers:
         gpu = _gpu_name()
     try:
-        from importlib.metadata import version
+        from importlib.metadata import version  # noqa: PLC0415 - optional dependency
 
         lcp = version("llama-cpp-python")
     except Exception:
@@ -418,9 +424,6 @@ def machine_info(cfg: BenchConfig, n_threads: int) -> dict:
 
 
 def _gpu_name() -> str | None:
-    import shutil
-    import subprocess
-
     if shutil.which("nvidia-smi"):
         try:
             out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True,

@@ -31,8 +31,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from eesd_local.spec.events import Stats
+import llama_cpp
+
 from eesd_local.paths import package_root
+from eesd_local.spec.events import Stats
 from eesd_local.tools.bench.methods import MethodSpec, Sampling, Turn
 
 # llama-server --spec-type values of the vendored llama.cpp that need nothing but the model (and,
@@ -75,7 +77,6 @@ def tools_dir() -> Path | None:
     env = os.environ.get("EESD_LLAMA_TOOLS")
     if env:
         return Path(env)
-    import llama_cpp
 
     info = Path(llama_cpp.__file__).parent / "lib" / "eesd-build.json"
     try:

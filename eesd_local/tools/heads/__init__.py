@@ -13,7 +13,7 @@ takes its chat prompts only from there).
 
 from __future__ import annotations
 
-from eesd_local.tools.heads.data import SHAREGPT_HELDOUT, heldout_sharegpt_range
 from eesd_local.gguf.headfile import build_draft, find_head, fingerprint, read_head_info
+from eesd_local.tools.heads.data import SHAREGPT_HELDOUT, heldout_sharegpt_range
 
 __all__ = ["SHAREGPT_HELDOUT", "build_draft", "find_head", "fingerprint", "heldout_sharegpt_range", "read_head_info"]

@@ -45,16 +45,18 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import llama_cpp
+import llama_cpp as L
 import numpy as np
 
 from eesd_local.atomic import atomic_path
 from eesd_local.errors import EesdError
-from eesd_local.paths import cache_dir
-from eesd_local.llama.catalog import known_models, registry_name_for
-from eesd_local.paths import models_dir
-from eesd_local.tools.heads import data
-from eesd_local.gguf.reader import read_header
 from eesd_local.gguf.headfile import fingerprint, model_info
+from eesd_local.gguf.reader import read_header
+from eesd_local.llama import runtime
+from eesd_local.llama.catalog import known_models, registry_name_for
+from eesd_local.paths import cache_dir, models_dir
+from eesd_local.tools.heads import data
 from eesd_local.tools.heads.teacher import _quiet_logs, chat_formatter
 
 FORMAT = 1
@@ -377,10 +379,7 @@ class Answerer:
     on the rows that pick a token."""
 
     def __init__(self, model_path: Path, cfg: GrowConfig):
-        import llama_cpp as L  # loads libllama: imported where a model is loaded, as teacher.py does
-
-        from eesd_local.llama import runtime  # noqa: F401 - its import makes llama.cpp's model defaults safe on AMX CPUs
-
+        runtime.setup_process()  # llama.cpp's model defaults made safe on AMX CPUs (and malloc tuned)
         self.L = L
         L.llama_backend_init()
         _quiet_logs(L)
@@ -489,8 +488,6 @@ def _batch(active: list[tuple[int, _Slot]], n_batch: int, chunk: int) -> tuple[l
 
 def settings_of(cfg: GrowConfig, model_path: Path) -> dict:
     """The generation settings a shard records (the batch layout and the llama.cpp build decide near ties)."""
-    import llama_cpp  # loads libllama: only where a model is about to be loaded anyway
-
     kv = read_header(Path(model_path)).kv
     template = str(kv.get("tokenizer.chat_template", ""))
     try:  # which patch of llama.cpp (kernels) scripts/llama_build.py built, if it did

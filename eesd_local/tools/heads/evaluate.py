@@ -20,10 +20,12 @@ from pathlib import Path
 import numpy as np
 
 from eesd_local.errors import EesdError
+from eesd_local.gguf.headfile import build_draft, fingerprint
+from eesd_local.llama.draftvocab import DRAFT_VOCAB
 from eesd_local.paths import cache_dir
 from eesd_local.tools.heads import teacher
 from eesd_local.tools.heads.data import Item
-from eesd_local.gguf.headfile import build_draft, fingerprint
+from eesd_local.tools.heads.draftvocab import draft_vocab
 
 # decode time of a batch of b tokens relative to b = 1 on this 2-core CPU (design.md)
 CPU_BATCH_COST = {1: 1.0, 2: 1.86, 4: 2.7, 5: 3.65, 8: 4.8, 16: 7.9}
@@ -153,9 +155,6 @@ def evaluate(
     measure: bool = True,
     vocab_size: int | None = None,
 ) -> dict:
-    from eesd_local.llama.draftvocab import DRAFT_VOCAB
-    from eesd_local.tools.draftvocab import draft_vocab
-
     answers = target_answers(model_path, prompts_path, max_new=max_new, threads=threads)
     draft = build_draft(model_path, head_path)
     vocab = draft_vocab(model_path, vocab_size or DRAFT_VOCAB).astype(np.int64)

@@ -21,11 +21,15 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import llama_cpp as L
 import numpy as np
+from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
 from eesd_local.atomic import atomic_path
 from eesd_local.errors import EesdError
+from eesd_local.gguf.reader import read_header
 from eesd_local.interrupts import interrupt_for
+from eesd_local.llama import runtime
 from eesd_local.tools.heads.data import Item
 
 SHARD_GLOB = "teacher-*.npz"
@@ -76,9 +80,6 @@ def count_tokens(out_dir: Path) -> int:
 
 def chat_formatter(model_path: Path) -> Callable[[list[dict]], str]:
     """messages -> prompt text, with the model's own chat template (from its GGUF metadata)."""
-    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-    from eesd_local.gguf.reader import read_header
 
     kv = read_header(Path(model_path), keep_strings=("tokenizer.ggml.tokens",)).kv
     if "tokenizer.chat_template" not in kv:
@@ -103,10 +104,7 @@ class LlamaRunner:
     """A llama.cpp model + context for n parallel sequences with logits at every position."""
 
     def __init__(self, model_path: Path, *, n_parallel: int, n_ctx_per_seq: int, threads: int, n_batch: int = 512):
-        import llama_cpp as L
-
-        from eesd_local.llama import runtime  # noqa: F401 - its import makes llama.cpp's model defaults safe on AMX CPUs
-
+        runtime.setup_process()  # llama.cpp's model defaults made safe on AMX CPUs (and malloc tuned)
         self.L = L
         L.llama_backend_init()
         _quiet_logs(L)
@@ -196,7 +194,7 @@ def _quiet_logs(L) -> None:
 
 def topk_rows(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Teacher rows -> (top-k ids int32, top-k log-probs float16), log-probs over the full vocab."""
-    import torch
+    import torch  # noqa: PLC0415 - torch: optional (train extra)
 
     t = torch.from_numpy(logits)
     lse = torch.logsumexp(t, dim=-1, keepdim=True)

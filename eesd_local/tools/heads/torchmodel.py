@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from eesd_local.errors import EesdError
+from eesd_local.gguf.headfile import dequantize
+from eesd_local.gguf.reader import read_header
 
 SUPPORTED_ARCHS = ("qwen2",)
 
@@ -36,8 +38,6 @@ class GGUFWeights:
     """Lazy float32 access to a GGUF's tensors by name."""
 
     def __init__(self, path: Path):
-        from eesd_local.gguf.reader import read_header
-
         self.header = read_header(Path(path))
         self.tensors = self.header.tensors
 
@@ -48,13 +48,11 @@ class GGUFWeights:
         return name in self.tensors
 
     def get(self, name: str) -> np.ndarray:
-        from eesd_local.gguf.headfile import dequantize
-
         return dequantize(self.header, name)
 
 
 def hf_config(w: GGUFWeights, n_layers: int):
-    from transformers import Qwen2Config
+    from transformers import Qwen2Config  # noqa: PLC0415 - transformers: optional (train extra)
 
     arch = str(w.field("general.architecture"))
     if arch not in SUPPORTED_ARCHS:
@@ -80,7 +78,7 @@ def hf_config(w: GGUFWeights, n_layers: int):
 
 
 def _load_block(layer, w: GGUFWeights, src: int) -> None:
-    import torch
+    import torch  # noqa: PLC0415 - torch: optional (train extra)
 
     sd = {}
     for gname, hname in BLOCK_MAP.items():
@@ -96,8 +94,8 @@ class Trunk:
     """Embeddings + the first ``n_layers`` blocks of the base, frozen, float32."""
 
     def __init__(self, base_path: Path, n_layers: int):
-        import torch
-        from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
+        import torch  # noqa: PLC0415 - torch: optional (train extra)
+        from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding  # noqa: PLC0415 - transformers: optional (train extra)
 
         w = GGUFWeights(base_path)
         self.config = hf_config(w, n_layers)
@@ -112,7 +110,7 @@ class Trunk:
 
     def hidden_states(self, tokens: np.ndarray, keep: tuple[int, ...]) -> dict[int, np.ndarray]:
         """Hidden states entering block N (after N blocks), for each N in ``keep``, float16 [T, d]."""
-        import torch
+        import torch  # noqa: PLC0415 - torch: optional (train extra)
 
         out = {}
         with torch.inference_mode():
@@ -131,7 +129,7 @@ class Trunk:
 
 def make_exit_head(base_path: Path, exit_layer: int, init_from: int | None = None):
     """(ExitHead module, frozen LM-head weight [V, d]) initialised from the base's last block."""
-    import torch
+    import torch  # noqa: PLC0415 - torch: optional (train extra)
 
     w = GGUFWeights(base_path)
     arch = str(w.field("general.architecture"))
@@ -145,8 +143,8 @@ def make_exit_head(base_path: Path, exit_layer: int, init_from: int | None = Non
 
 
 def _exit_head_class():
-    import torch
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm, Qwen2RotaryEmbedding
+    import torch  # noqa: PLC0415 - torch: optional (train extra)
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm, Qwen2RotaryEmbedding  # noqa: PLC0415 - transformers: optional (train extra)
 
     class _ExitHead(torch.nn.Module):
         """One decoder layer + final RMSNorm: layer-N hidden states -> final normalised states."""

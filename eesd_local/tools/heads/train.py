@@ -25,11 +25,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from eesd_local.atomic import atomic_path
 from eesd_local.errors import EesdError
+from eesd_local.gguf.headfile import head_tensors, read_head_info, write_head
+from eesd_local.gguf.reader import read_header
 from eesd_local.tools.heads import teacher
-from eesd_local.gguf.headfile import write_head
+from eesd_local.tools.heads.draftvocab import draft_vocab
+from eesd_local.tools.heads.torchmodel import Trunk, make_exit_head
 
 
 @dataclass
@@ -97,7 +102,7 @@ def cache_trunk_states(
     base_path: Path, data_dir: Path, layers: tuple[int, ...], *, threads: int = 2, progress: Callable[[str], None] | None = None
 ) -> None:
     """Compute and save trunk states for every shard lacking them (one trunk pass serves all N)."""
-    import torch
+    import torch  # noqa: PLC0415 - torch: optional (train extra)
 
     torch.set_num_threads(threads)
     shards = teacher.shard_paths(data_dir)
@@ -112,7 +117,6 @@ def cache_trunk_states(
         return
     key = (str(base_path), max(layers))
     if key not in _TRUNKS:  # loading dequantises the blocks: slow, keep it for the next call
-        from eesd_local.tools.heads.torchmodel import Trunk
 
         _TRUNKS.clear()
         _TRUNKS[key] = Trunk(base_path, max(layers))
@@ -171,7 +175,7 @@ def _batches(seqs: list[Seq], batch_tokens: int, rng: np.random.Generator) -> li
 
 
 def _pad(seqs: list[Seq], idx: list[int]):
-    import torch
+    import torch  # noqa: PLC0415 - torch: optional (train extra)
 
     T = max(len(seqs[i].hid) for i in idx)
     d = seqs[idx[0]].hid.shape[1]
@@ -198,7 +202,7 @@ def distill_loss(z, lm_w, ids, logp, neg_ids, keep=None):
     p the teacher's top-k probabilities renormalised to 1. ``keep`` [M, K] (optional) marks the
     top-k entries the student may propose (inside V'); the others get no mass on either side.
     """
-    import torch
+    import torch  # noqa: PLC0415 - torch: optional (train extra)
 
     own = torch.einsum("md,mkd->mk", z, lm_w[ids])  # [M, K]
     if keep is not None:
@@ -217,7 +221,7 @@ def distill_loss(z, lm_w, ids, logp, neg_ids, keep=None):
 def agreement(head, lm_w, seqs: list[Seq], max_seqs: int = 64, vocab=None) -> dict[str, float]:
     """Student argmax over the full vocabulary (or over the ids ``vocab``: V') vs the teacher's
     argmax, on answer rows."""
-    import torch
+    import torch  # noqa: PLC0415 - torch: optional (train extra)
 
     rows_w = lm_w if vocab is None else lm_w[torch.as_tensor(vocab, dtype=torch.long)]
 
@@ -258,9 +262,8 @@ def train_head(
 
     ``deadline`` (a ``time.time()`` value): when the planned epochs would end later, the schedule is
     shortened (measured after the first steps) so that training ends by then; the summary says so."""
-    import torch
+    import torch  # noqa: PLC0415 - torch: optional (train extra)
 
-    from eesd_local.tools.heads.torchmodel import make_exit_head
 
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
@@ -276,7 +279,6 @@ def train_head(
     n_tokens = sum(len(s.hid) for s in train)
     head, lm_w = make_exit_head(base_path, cfg.exit_layer, cfg.init_from)
     if init_head is not None:  # continue from an earlier head (more data, a fresh schedule)
-        from eesd_local.gguf.headfile import head_tensors, read_head_info
 
         if read_head_info(init_head)["exit_layer"] != cfg.exit_layer:
             raise EesdError(f"{init_head} is a head for another exit layer than {cfg.exit_layer}")
@@ -293,8 +295,6 @@ def train_head(
     vprime = None  # the draft vocabulary V' (sorted ids) when training over it
     in_v = None
     if cfg.draft_vocab:
-        from eesd_local.tools.draftvocab import draft_vocab
-
         vprime = draft_vocab(base_path, cfg.draft_vocab).astype(np.int64)
         in_v = torch.zeros(vocab + 1, dtype=torch.bool)  # index vocab = the "no row" id -1
         in_v[torch.from_numpy(vprime)] = True
@@ -335,11 +335,12 @@ def train_head(
     stop = {"flag": False}
     old = signal.getsignal(signal.SIGINT)
     signal.signal(signal.SIGINT, lambda *_: stop.__setitem__("flag", True))
-    bar = None
-    if use_bar:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total_steps, initial=step, unit="step", dynamic_ncols=True)
+    bar: Progress | None = None
+    if use_bar:  # rich, on stderr: the one progress library of eesd-local
+        bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), TextColumn("{task.fields[stats]}"),
+                       console=Console(stderr=True))
+        bar_task = bar.add_task("train", total=total_steps, completed=step, stats="")
+        bar.start()
     t0, tokens_seen, loss_ema, acc_ema = time.time(), 0, None, None
     start_step, planned_steps = step, total_steps
     agree = agreement(head, lm_w, held, vocab=vprime) if step == 0 else (history[-1]["heldout"] if history else {})
@@ -389,7 +390,7 @@ def train_head(
                             log(f"time budget: {fit} of {planned_steps} planned steps fit ({per_step:.2f} s a step)")
                         total_steps = fit
                         if bar is not None:
-                            bar.total = total_steps
+                            bar.update(bar_task, total=total_steps)
                 tokens_seen += int(valid.sum())
                 loss_v, acc_v = float(loss.detach()), float(acc)
                 loss_ema = loss_v if loss_ema is None else 0.9 * loss_ema + 0.1 * loss_v
@@ -409,18 +410,14 @@ def train_head(
                 if step % cfg.ckpt_every == 0:
                     save_ckpt()
                 if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(
-                        loss=f"{loss_ema:.3f}",
-                        acc=f"{acc_ema:.2f}",
-                        held=f"{agree.get('all', 0):.3f}",
-                        tok_s=f"{tokens_seen / max(time.time() - t0, 1e-9):.0f}",
-                    )
+                    bar.update(bar_task, advance=1,
+                               stats=f"loss={loss_ema:.3f} acc={acc_ema:.2f} held={agree.get('all', 0):.3f} "
+                                     f"tok_s={tokens_seen / max(time.time() - t0, 1e-9):.0f}")
             epoch += 1
     finally:
         signal.signal(signal.SIGINT, old)
         if bar is not None:
-            bar.close()
+            bar.stop()
         save_ckpt()
     if stop["flag"]:
         log(f"interrupted at step {step}: checkpoint saved to {ckpt_path}; rerun the same command to resume")
@@ -440,8 +437,6 @@ def train_head(
         "history": history[-12:],
     }
     if cfg.freeze_mlp:
-        from eesd_local.gguf.reader import read_header
-
         h = read_header(Path(base_path))
         summary["ffn_from_base_block"] = int(h.kv[f"{h.kv['general.architecture']}.block_count"]) - 1
     write_head(

@@ -22,18 +22,17 @@ import numpy as np
 
 from eesd_local import cachefile
 from eesd_local.errors import EesdError
+from eesd_local.gguf.headfile import fingerprint
+from eesd_local.llama.draftvocab import DRAFT_VOCAB, cached_draft_vocab, vocab_path
+from eesd_local.llama.runtime import Model
 from eesd_local.paths import cache_dir
+from eesd_local.tools.heads import data, teacher
 
-DRAFT_VOCAB = 32768  # V': the default draft vocabulary size
-VOCAB_FORMAT = 1
 OWN_ANSWER_WEIGHT = 4  # a token of the model's own answers counts this many times a token of text
 
 
 def _teacher_tokens(base_path: Path) -> list[np.ndarray]:
     """Token arrays of the model's own answers in the head-training teacher cache (if any)."""
-    from eesd_local.tools.heads import teacher
-    from eesd_local.gguf.headfile import fingerprint
-
     root = cache_dir("heads-data") / fingerprint(base_path)  # where `eesd heads train` keeps its teacher data
     if not root.is_dir():
         return []
@@ -50,9 +49,6 @@ def _teacher_tokens(base_path: Path) -> list[np.ndarray]:
 
 def token_counts(base_path: Path, n_vocab: int, *, max_chars: int = 16_000_000) -> np.ndarray:
     """How often the model would write each token, from its own answers and from training text."""
-    from eesd_local.tools.heads import data
-    from eesd_local.llama.runtime import Model
-
     counts = np.zeros(n_vocab, dtype=np.int64)
     for toks in _teacher_tokens(base_path):
         counts += OWN_ANSWER_WEIGHT * np.bincount(toks[(toks >= 0) & (toks < n_vocab)], minlength=n_vocab)
@@ -73,19 +69,12 @@ def token_counts(base_path: Path, n_vocab: int, *, max_chars: int = 16_000_000) 
 
 def draft_vocab(base_path: Path, size: int = DRAFT_VOCAB, *, force: bool = False) -> np.ndarray:
     """V': the ``size`` most frequent token ids (sorted ascending, int32), cached per model."""
-    from eesd_local.gguf.headfile import fingerprint
-    from eesd_local.llama.runtime import Model
-
     base_path = Path(base_path)
-    fp = fingerprint(base_path)
-    path = cache_dir("drafts") / f"{base_path.stem}.vocab{size}.v{VOCAB_FORMAT}.{fp[:16]}.npy"
-    if not force and cachefile.intact(path):  # a damaged, truncated or foreign file is computed again below
-        try:
-            v = np.load(path)
-            if v.dtype == np.int32 and v.ndim == 1:
-                return v
-        except (OSError, ValueError):
-            pass
+    path = vocab_path(base_path, size)
+    if not force:  # a damaged, truncated or foreign file is computed again below
+        v = cached_draft_vocab(base_path, size)
+        if v is not None:
+            return v
     model = Model(base_path, vocab_only=True)
     try:
         n_vocab = model.n_vocab

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The wheel a user installs: build eesd-local's wheel, install it into a fresh virtual environment
+# with the patched llama-cpp-python wheel the set-up kept (build/wheels, scripts/llama_build.py) and
+# the other dependencies from the package index (no torch: it is only in the train extra), then run
+# `eesd --help`, `eesd-chat --help` and a short `eesd generate` from a directory outside the repo.
+#   bash scripts/wheel_check.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+PY=${PYTHON:-.venv/bin/python}
+ls build/wheels/llama_cpp_python-*.whl >/dev/null 2>&1 || {
+  echo "wheel_check: no llama-cpp-python wheel in build/wheels: run bash scripts/setup.sh (it keeps the one it builds)" >&2
+  exit 2
+}
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/eesd-wheel.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+echo "building the eesd-local wheel"
+# no build isolation: the native extension compiles against the llama-cpp-python of .venv
+"$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$WORK/dist" . >"$WORK/build.log" 2>&1 || { tail -30 "$WORK/build.log"; exit 1; }
+WHEEL=$(ls "$WORK"/dist/eesd_local-*.whl)
+echo "  $(basename "$WHEEL")"
+echo "installing it into a fresh venv"
+"$PY" -m venv "$WORK/venv"
+"$WORK/venv/bin/python" -m pip install -q --disable-pip-version-check --find-links "$ROOT/build/wheels" "$WHEEL"
+if "$WORK/venv/bin/python" -c "import torch" 2>/dev/null; then echo "wheel_check: torch was installed" >&2; exit 1; fi
+cd "$WORK"  # outside the repository: nothing of the checkout can be imported by accident
+VENV="$WORK/venv/bin"
+"$VENV/eesd" --help >/dev/null
+"$VENV/eesd-chat" --help >/dev/null
+"$VENV/python" -c "import eesd_local, sys; assert eesd_local.__file__.startswith('$WORK'), eesd_local.__file__; \
+import eesd_local.cli as c; c.build_parser(); assert 'torch' not in sys.modules"
+"$VENV/eesd" generate --max-tokens 8 --prompt hi
+echo "wheel check passed: eesd --help, eesd-chat --help and eesd generate ran from the installed wheel"
