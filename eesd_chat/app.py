@@ -25,13 +25,11 @@ from textual.widgets import Footer, Header, Input, Static
 
 from eesd_chat.session import Answer, Conversation, PlainEstimate, Turn, default_transcript_path, merge_stats, save_transcript
 from eesd_chat.widgets import AnswerView, SpeculationPanel, UserView
-from eesd_local.api import load
-from eesd_local.commands.options import add_engine_args, engine_config
+from eesd_local.claim import CLAIM
 from eesd_local.errors import EesdError
 from eesd_local.interrupts import keep_interrupts
 from eesd_local.params import check_sampling
 from eesd_local.spec.events import FinishEvent, RoundEvent, TokenEvent
-from eesd_local.spec.lossless import CLAIM
 
 if TYPE_CHECKING:  # the engine pulls in llama.cpp and numba: open_engine imports it inside main's Ctrl-C handler
     from eesd_local.spec.engine import Engine
@@ -390,6 +388,10 @@ def swap_controller(engine: Engine, spec: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # imported once main() handles Ctrl-C: the engine's flags pull in llama.cpp and numba, and a Ctrl-C
+    # while they load must end in one line, not a traceback (as eesd's commands, imported by name in cli.py)
+    from eesd_local.commands.options import add_engine_args  # noqa: PLC0415 - after keep_interrupts(), see above
+
     p = argparse.ArgumentParser(prog="eesd-chat", description="A terminal chat that shows speculative decoding live.",
                                 epilog=CLAIM)
     add_engine_args(p, positional_model=True)
@@ -403,6 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def open_engine(args: argparse.Namespace) -> Engine:
     """Pull a registry model if missing, check the options, load the engine (before the app starts)."""
+    from eesd_local.api import load  # noqa: PLC0415 - after keep_interrupts(), as in build_parser
+    from eesd_local.commands.options import engine_config  # noqa: PLC0415 - after keep_interrupts(), as in build_parser
+
     check_sampling(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)  # as the engine will
     if args.n_ctx < 64:
         raise EesdError(f"--n-ctx must be at least 64 tokens, got {args.n_ctx}", hint="e.g. --n-ctx 4096")

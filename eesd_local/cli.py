@@ -16,9 +16,9 @@ import signal
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
+from eesd_local.claim import CLAIM
 from eesd_local.errors import EesdError
 from eesd_local.interrupts import Terminated, keep_interrupts
-from eesd_local.spec.lossless import CLAIM
 
 COMMAND_MODULES = [
     "eesd_local.commands.models",

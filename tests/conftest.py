@@ -3,7 +3,7 @@ an isolated EESD_HOME for tests that write to the cache.
 
 Tiers: a test that loads a real demo model is marked ``model`` (by hand, or here when it uses a
 demo-model fixture or names a demo model); ``pytest -m "not model"`` is the fast tier, and a
-fast-tier test that loads a real model anyway fails (:func:`_fast_tier_loads_tiny_models_only`)."""
+fast-tier run that loads a real model anyway fails (pytest_configure)."""
 
 from __future__ import annotations
 
@@ -56,21 +56,24 @@ def isolated_home(tmp_path, monkeypatch) -> Path:
     return home
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    os.environ.setdefault("NUMBA_CACHE_DIR", str(Path.home() / ".cache" / "eesd-local" / "numba"))
-
-
 DEMO_FIXTURES = {"qwen05_path", "gemma_path"}
 DEMO_NAMES = (QWEN05, QWEN15, GEMMA, "QWEN05", "QWEN15", "GEMMA", "DEFAULT_MODEL")
 TINY_BYTES = 32 << 20  # the synthetic models of gguf.tiny are a few MB; the smallest demo model is 253 MB
 
 
-def _names_a_demo_model(item: pytest.Item) -> bool:
+def _source(fn) -> str:
     try:
-        source = inspect.getsource(item.function)  # type: ignore[attr-defined]
-    except (AttributeError, OSError, TypeError):
-        return False
-    return any(name in source for name in DEMO_NAMES)
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return ""
+
+
+def _names_a_demo_model(item: pytest.Item) -> bool:
+    """The test, or a fixture it uses, names a demo model."""
+    fns = [getattr(item, "function", None)]
+    for defs in getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}).values():
+        fns += [d.func for d in defs]
+    return any(any(name in _source(fn) for name in DEMO_NAMES) for fn in fns if fn is not None)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -79,18 +82,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.model)
 
 
-@pytest.fixture(autouse=True)
-def _fast_tier_loads_tiny_models_only(request, monkeypatch):
-    """Outside the model tier, loading a real model in the test process is a failure: the fast
-    tier must stay fast (tiny synthetic GGUFs only)."""
-    if request.node.get_closest_marker("model") is not None:
-        return
-    load = runtime.Model.__init__
-
+def _tiny_only(load):
     def tiny_only(self, path, *args, **kw):
         size = Path(path).stat().st_size if Path(path).is_file() else 0
         if size > TINY_BYTES:
-            pytest.fail(f"a fast-tier test loaded {Path(path).name} ({size >> 20} MB): mark it `model` or use gguf.tiny")
+            pytest.fail(f"the fast tier loaded {Path(path).name} ({size >> 20} MB): mark the test `model` or use gguf.tiny")
         load(self, path, *args, **kw)
 
-    monkeypatch.setattr(runtime.Model, "__init__", tiny_only)
+    return tiny_only
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ.setdefault("NUMBA_CACHE_DIR", str(Path.home() / ".cache" / "eesd-local" / "numba"))
+    if config.getoption("markexpr", "").replace(" ", "") in ("notmodel", "(notmodel)"):
+        # the fast tier must stay fast: loading a real model in the test process fails the test
+        runtime.Model.__init__ = _tiny_only(runtime.Model.__init__)

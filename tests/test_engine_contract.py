@@ -19,6 +19,8 @@ from eesd_local.spec.events import FinishEvent, TokenEvent
 
 from .conftest import QWEN05
 
+pytestmark = pytest.mark.model  # every test opens the demo model (_open)
+
 # prompts that share prefixes, so the prompt cache is reused (and must be trimmed) between them
 PROMPTS = [
     "class Stack:\n    def __init__(self):",

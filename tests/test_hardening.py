@@ -26,13 +26,16 @@ from eesd_local.atomic import atomic_path, remove_stale_temps, write_text_atomic
 from eesd_local.errors import EesdError
 from eesd_local.gguf import headfile
 from eesd_local.gguf import reader as ggufread
+from eesd_local.gguf.check import check_gguf
 from eesd_local.gguf.tiny import write_tiny_gguf
 from eesd_local.interrupts import keep_interrupts
+from eesd_local.llama import catalog
 from eesd_local.llama.runtime import Context, ContextParams, Model
+from eesd_local.paths import models_dir
 from eesd_local.spec.drafters import resolve_head
 from eesd_local.tools import registry
 
-SHIPPED_HEAD = registry.models_dir() / "qwen2.5-coder-0.5b-instruct.exit6.gguf"
+SHIPPED_HEAD = models_dir() / "qwen2.5-coder-0.5b-instruct.exit6.gguf"
 FUZZ_N = int(os.environ.get("EESD_FUZZ_N", "200"))  # cases per file; CI runs the default, more by hand
 FUZZ_SEED = int(os.environ.get("EESD_FUZZ_SEED", "14"))
 
@@ -66,7 +69,7 @@ def mutants(data: bytes, header_end: int, n: int, seed: int):
 def parse_all(path: Path, head: bool) -> str:
     """Every Python reader over ``path``: 'ok' or 'EesdError'; anything else escapes (a bug)."""
     try:
-        registry.check_gguf(path, what="head" if head else "model")
+        check_gguf(path, what="head" if head else "model")
         ggufread.read_header(path, keep_strings=("tokenizer.ggml.tokens",))
         if head:
             headfile.read_head_info(path)
@@ -168,14 +171,14 @@ def test_damaged_byte_token_is_refused_before_llama_cpp(tiny, tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(tiny.read_bytes().replace(b"<0x81>", b"=0x81>", 1))
     with pytest.raises(EesdError, match="byte tokens missing or malformed"):
-        registry.check_gguf(bad)
+        check_gguf(bad)
 
 
 def test_truncated_model_is_refused_before_llama_cpp(tiny, tmp_path):
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(tiny.read_bytes()[: tiny.stat().st_size // 2])
     with pytest.raises(EesdError, match="truncated"):
-        registry.check_gguf(cut)
+        check_gguf(cut)
 
 
 # --- stale temporary files ------------------------------------------------------------------
@@ -250,7 +253,7 @@ def test_a_pull_killed_while_assembling_is_cleaned_up_by_the_next_run(tmp_path, 
 
 
 def test_pull_sweeps_the_models_folder(isolated_home, monkeypatch):
-    spec = next(iter(registry.known_models().values()))
+    spec = next(iter(catalog.known_models().values()))
     stale = spec.path.parent / f".{spec.file}.tmp-{dead_pid()}"
     stale.write_bytes(b"x")
     monkeypatch.setattr(registry, "is_present", lambda s: True)  # nothing to download: the sweep alone
@@ -402,5 +405,5 @@ def test_missing_head_says_pass_a_head_path(tiny, isolated_home, tmp_path):
     assert "exit-head file not found" in err.value.message
     assert "pass an exit-head GGUF path" in err.value.hint and "eesd models list" not in err.value.hint
     with pytest.raises(EesdError) as err:
-        registry.check_gguf(tmp_path / "missing.gguf")  # a model keeps its hint
+        check_gguf(tmp_path / "missing.gguf")  # a model keeps its hint
     assert "registry name" in err.value.hint

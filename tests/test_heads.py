@@ -125,13 +125,16 @@ def test_head_round_trip(tiny, tmp_path):
 
 
 @needs_demo
-def test_fingerprint_distinguishes_models_and_is_cached(tiny):
+def test_fingerprint_distinguishes_models_and_is_cached(tiny, monkeypatch):
     a, b = tiny
     fa = fingerprint(a)
     assert fa != fingerprint(b)
-    t0 = time.perf_counter()
+
+    def not_again(path):
+        raise AssertionError(f"{path} was hashed again: the fingerprint cache missed")
+
+    monkeypatch.setattr(headfile, "_fingerprint_uncached", not_again)
     assert fingerprint(a) == fa
-    assert time.perf_counter() - t0 < 0.5
 
 
 @needs_demo
@@ -166,10 +169,8 @@ def test_draft_is_cached_and_atomic(tiny, tmp_path):
     hp = _head(base, tmp_path / "h.gguf", 1)
     d1 = build_draft(base, hp)
     m1 = d1.stat().st_mtime_ns
-    t0 = time.perf_counter()
     d2 = build_draft(base, hp)
-    assert d2 == d1 and d2.stat().st_mtime_ns == m1
-    assert time.perf_counter() - t0 < 2.0
+    assert d2 == d1 and d2.stat().st_mtime_ns == m1  # reused, not written again
     assert not [p for p in d1.parent.iterdir() if ".tmp-" in p.name]
     # a changed head gives a new draft; force rebuilds in place
     hp2 = _head(base, tmp_path / "h2.gguf", 1, steps=99)

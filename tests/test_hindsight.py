@@ -15,7 +15,6 @@ from eesd_local.spec.controllers.thompson import MATCH_PRIOR, MATCH_REQUEST_EVID
 from eesd_local.spec.drafters.lookup import MATCH_CAP, LookupDrafter
 from eesd_local.spec.events import RoundEvent, TokenEvent
 from eesd_local.spec.rounds import Hindsight
-from eesd_local.tools.weights import batch_costs
 
 T = 0.02  # seconds of a plain target token in the made-up costs below
 
@@ -220,10 +219,8 @@ def _longest_copy(prompt: list[int], toks: list[int], n: int = 4) -> tuple[int, 
 
 def test_auto_writes_without_drafting_then_copies_with_lookup(qwen05_path):
     """One request that writes something new (a docstring) and then copies its input (the function's
-    body): while it writes, what lookup's short matches are drafted costs next to nothing against plain
-    decoding, priced by this machine's own B(k) (where a batch of 2 costs 1.86 tokens it drafts
-    rarely; where it costs 1.12, a one-token draft pays from p = 0.12 and it drafts more); once it
-    copies, lookup drafts long runs and keeps them. The output is plain decoding's."""
+    body): once it copies, lookup drafts long runs and keeps them. The output is plain decoding's.
+    (What drafting costs while it writes depends on this machine's timings: `eesd bench` measures it.)"""
     msg = [{"role": "user", "content": ASK}]
     with eesd_local.load(qwen05_path, drafter="none") as plain:
         prompt = plain.tokenize(plain.apply_chat_template(msg))
@@ -231,7 +228,6 @@ def test_auto_writes_without_drafting_then_copies_with_lookup(qwen05_path):
         body, n_copied = _longest_copy(prompt, ref)
         # (which lines it copies verbatim depends on the CPU's rounding: found, not pinned)
         assert body > 40 and n_copied >= 30, f"plain decoding did not write a docstring and then copy: {(body, n_copied)}"
-        cost = batch_costs([qwen05_path], range(1, 10), repeats=6)[0].ratios  # this machine's B(k)
         with eesd_local.load(qwen05_path, drafter="auto") as eng:
             eng.run(eng.apply_chat_template([{"role": "user", "content": "Say hello."}]), max_tokens=16)  # costs
             evs = list(eng.generate(prompt, max_tokens=200))
@@ -239,15 +235,6 @@ def test_auto_writes_without_drafting_then_copies_with_lookup(qwen05_path):
     assert got == ref
     rounds = [e for e in evs if isinstance(e, RoundEvent)]
     ends = np.cumsum([r.emitted for r in rounds])
-    writing = [r for r, end in zip(rounds, ends, strict=True) if 12 <= end < min(body - 2, len(got))]
-    # time beyond plain decoding's for the same tokens, in plain tokens: a round of d drafts with
-    # a accepted costs B(d + 1) and gives a + 1 tokens (lookup's search is free)
-    extra = sum(cost[r.drafted + 1] - (1 + r.accepted) for r in writing if r.drafted)
-    # (AMD EPYC, B(2) 1.86: 13 drafted, 6 wasted over 89 writing rounds, about +0.045 a round; learning
-    # lookup from its own drafts instead, `cost-ts:no-hindsight`: 61 drafted, 40 wasted over 96, about
-    # +0.3. Intel Xeon with AVX-512 and no repacking, B(2) 1.10: -0.06..-0.12 a round, and -0.01..-0.08
-    # without hindsight: drafting pays even while writing there)
-    assert extra <= 0.08 * len(writing), (extra, [(r.drafted, r.accepted) for r in writing if r.drafted])
     copying = [r for r, end in zip(rounds, ends, strict=True)
                if body + 2 <= end - r.emitted and end <= body + min(n_copied, 60)]
     kept = sum(r.accepted for r in copying if r.source == "lookup")

@@ -16,6 +16,7 @@ import pytest
 import eesd_local
 from eesd_local.errors import EesdError
 from eesd_local.gguf.tiny import write_tiny_gguf
+from eesd_local.llama import native as native_ext
 from eesd_local.llama.runtime import Context, ContextParams, Model
 from eesd_local.spec import native_round
 from eesd_local.spec.controllers import layout
@@ -223,7 +224,7 @@ def test_fallback_and_notice(tiny, monkeypatch):
         eng.run(TINY_PROMPT, max_tokens=4)
         assert eng.loop_note == "round loop: Python (EESD_NATIVE=0)"
         monkeypatch.delenv("EESD_NATIVE")
-        monkeypatch.setattr(native_round, "_load", lambda: (None, "no module named eesd_local._native"))
+        monkeypatch.setattr(native_ext, "load", lambda: (None, "no module named eesd_local._native"))
         fin = eng.run(TINY_PROMPT, max_tokens=4)
         assert fin.stats.n_generated == 4
         assert "native extension unavailable: no module named" in eng.loop_note

@@ -32,7 +32,7 @@ from eesd_local import cachefile, params
 from eesd_local.errors import EesdError
 from eesd_local.gguf import reader as ggufread
 from eesd_local.gguf.tiny import write_tiny_gguf
-from eesd_local.llama import runtime
+from eesd_local.llama import catalog, runtime
 from eesd_local.spec import chat
 from eesd_local.tools import heads, registry
 from eesd_local.tools.heads.draftvocab import draft_vocab
@@ -372,11 +372,11 @@ def tiny_registry(tiny, tmp_path, monkeypatch, isolated_home):
     reg = tmp_path / "registry.json"
     reg.write_text(json.dumps({"format": 1, "models": [spec]}))
     monkeypatch.setenv("EESD_REGISTRY", str(reg))
-    registry._load.cache_clear()
+    catalog._load.cache_clear()
     (isolated_home / "models").mkdir(parents=True)
     shutil.copyfile(tiny, isolated_home / "models" / "tiny-model.gguf")
     yield "tiny-model"
-    registry._load.cache_clear()
+    catalog._load.cache_clear()
 
 
 def test_a_damaged_variant_is_built_again(tiny_registry):
@@ -546,7 +546,7 @@ def trunk_home(tmp_path_factory, qwen05_path):
     home = tmp_path_factory.mktemp("trunk-home")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("EESD_HOME", str(home))
-        spec = registry.get_spec(QWEN05)
+        spec = catalog.get_spec(QWEN05)
         spec.path.symlink_to(qwen05_path)
         src = next(p for p in (Path.home() / ".cache" / "eesd-local" / "drafts").glob(f"{qwen05_path.stem}.vocab*.npy"))
         with cachefile.derived_path(home / "drafts" / src.name) as tmp:

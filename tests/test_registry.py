@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from eesd_local.errors import EesdError
+from eesd_local.llama import catalog
 from eesd_local.tools import registry
 
 # a fake model file, split into two parts: a GGUF v3 header (no tensors, no metadata), then filler
@@ -112,10 +113,10 @@ def index(tmp_path, monkeypatch, isolated_home):
     reg_path.write_text(json.dumps(reg))
     monkeypatch.setenv("EESD_REGISTRY", str(reg_path))
     monkeypatch.setenv("EESD_INDEX_URL", idx.url)
-    registry._load.cache_clear()
+    catalog._load.cache_clear()
     yield idx
     idx.close()
-    registry._load.cache_clear()
+    catalog._load.cache_clear()
 
 
 def test_pull_assembles_and_verifies(index, isolated_home):
@@ -181,8 +182,8 @@ def test_paths_are_checked_for_gguf(tmp_path):
 
 
 def test_shipped_registry_lists_demo_models():
-    registry._load.cache_clear()
-    models = registry.known_models()
+    catalog._load.cache_clear()
+    models = catalog.known_models()
     assert {"qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", "gemma-3-270m"} <= set(models)
     assert models["gemma-3-270m"].sha256.startswith("a5fd3b62")
     for spec in models.values():

@@ -19,6 +19,7 @@ from eesd_local.atomic import remove_stale_temps
 from eesd_local.cli import main
 from eesd_local.errors import EesdError
 from eesd_local.gguf.tiny import write_tiny_gguf
+from eesd_local.llama import catalog
 from eesd_local.spec.events import TokenEvent
 from eesd_local.tools import registry, weights
 from eesd_local.tools.bench.prompts import load_prompts
@@ -40,7 +41,7 @@ def q4_home(tmp_path_factory, qwen05_path) -> Path:
     home = tmp_path_factory.mktemp("eesd-home")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("EESD_HOME", str(home))
-        spec = registry.get_spec(QWEN05)
+        spec = catalog.get_spec(QWEN05)
         spec.path.parent.mkdir(parents=True, exist_ok=True)
         spec.path.symlink_to(qwen05_path)
         registry.pull_variant(QWEN05, "q4_0")
@@ -48,7 +49,7 @@ def q4_home(tmp_path_factory, qwen05_path) -> Path:
 
 
 def _variant(home: Path) -> Path:
-    return home / "models" / f"{Path(registry.get_spec(QWEN05).file).stem}.q4_0.gguf"
+    return home / "models" / f"{Path(catalog.get_spec(QWEN05).file).stem}.q4_0.gguf"
 
 
 # --- B(k) -------------------------------------------------------------------------------------
@@ -74,11 +75,11 @@ def test_costs_command_writes_json(tiny, tmp_path, capsys):
 
 
 def test_requantize_tiny_to_each_variant(tiny, tmp_path):
-    for kind in weights.VARIANTS:
+    for kind in catalog.VARIANTS:
         out = weights.requantize(tiny, tmp_path / f"tiny.{kind}.gguf", kind)
         types = weights.tensor_types(out)
         assert kind.upper() in types and not K_QUANTS & set(types)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"tiny.{k}.gguf" for k in sorted(weights.VARIANTS)]  # no temp file left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"tiny.{k}.gguf" for k in sorted(catalog.VARIANTS)]  # no temp file left
     with pytest.raises(EesdError, match="already exists"):
         weights.requantize(tiny, tmp_path / "tiny.q8_0.gguf", "q8_0")
     with pytest.raises(EesdError, match="unknown weight type"):
@@ -100,21 +101,21 @@ def test_stale_temp_files_are_removed(tiny, tmp_path):
 
 
 def test_variant_names(isolated_home):
-    assert registry.split_variant(f"{QWEN05}:q4_0") == (QWEN05, "q4_0")
-    assert registry.split_variant("some/dir:x/model.gguf") == ("some/dir:x/model.gguf", None)
+    assert catalog.split_variant(f"{QWEN05}:q4_0") == (QWEN05, "q4_0")
+    assert catalog.split_variant("some/dir:x/model.gguf") == ("some/dir:x/model.gguf", None)
     with pytest.raises(EesdError, match="unknown weight type"):
-        registry.split_variant(f"{QWEN05}:q5_k")
+        catalog.split_variant(f"{QWEN05}:q5_k")
     with pytest.raises(EesdError, match="not built yet"):
         registry.resolve_model(f"{QWEN05}:q8_0", pull_missing=False)
 
 
 def test_registry_flow_builds_the_variant(q4_home, monkeypatch):
     monkeypatch.setenv("EESD_HOME", str(q4_home))
-    spec = registry.get_spec(QWEN05)
+    spec = catalog.get_spec(QWEN05)
     path = registry.resolve_model(f"{QWEN05}:q4_0", pull_missing=False)
     assert path == _variant(q4_home)
-    assert registry.present_variants(spec) == ["q4_0"]
-    assert registry.registry_name_for(path) == f"{QWEN05}:q4_0"
+    assert catalog.present_variants(spec) == ["q4_0"]
+    assert catalog.registry_name_for(path) == f"{QWEN05}:q4_0"
     types = weights.tensor_types(path)
     assert not K_QUANTS & set(types) and types["Q8_0"] == 1  # the LM head stays Q8_0, every other matrix is Q4_0
 

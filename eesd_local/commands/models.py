@@ -14,6 +14,7 @@ from rich.table import Table
 
 from eesd_local.atomic import check_overwrite, write_text_atomic
 from eesd_local.errors import EesdError
+from eesd_local.llama import catalog
 from eesd_local.llama.catalog import VARIANTS, variant_path
 from eesd_local.params import MAX_THREADS, check_int, check_optional_int
 from eesd_local.paths import cache_dir
@@ -66,10 +67,10 @@ def run_list(args: argparse.Namespace) -> int:
     for col in ("arch", "size", "present", "variants"):
         table.add_column(col, no_wrap=col != "variants", min_width=6 if col == "variants" else None)
     table.add_column("description", ratio=1)
-    default = registry.DEFAULT_MODEL.partition(registry.VARIANT_SEP)[0]
-    for spec in registry.known_models().values():
-        mark = "[green]yes[/]" if registry.is_present(spec) else "no"
-        variants = " ".join(f"{registry.VARIANT_SEP}{k}" for k in registry.present_variants(spec)) or "-"
+    default = catalog.DEFAULT_MODEL.partition(catalog.VARIANT_SEP)[0]
+    for spec in catalog.known_models().values():
+        mark = "[green]yes[/]" if catalog.is_present(spec) else "no"
+        variants = " ".join(f"{catalog.VARIANT_SEP}{k}" for k in catalog.present_variants(spec)) or "-"
         table.add_row(spec.name + ("\n(default)" if spec.name == default else ""), spec.arch,
                       f"{spec.size / 2**20:.0f} MiB", mark, variants, spec.description)
     Console().print(table)
@@ -78,8 +79,8 @@ def run_list(args: argparse.Namespace) -> int:
 
 def pull_with_progress(name: str) -> str:
     """Pull ``name`` showing a progress bar on stderr; return the path."""
-    spec = registry.get_spec(name)
-    if registry.is_present(spec):
+    spec = catalog.get_spec(name)
+    if catalog.is_present(spec):
         return str(spec.path)
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=Console(stderr=True), transient=False) as bar:
@@ -94,20 +95,20 @@ def pull_with_progress(name: str) -> str:
 
 def run_pull(args: argparse.Namespace) -> int:
     for name in args.names:
-        base, kind = registry.split_variant(name)
+        base, kind = catalog.split_variant(name)
         kind = kind or args.variant
         path = pull_with_progress(base)
         print(f"{base}: {path}", file=sys.stderr)
         if kind:
-            print(f"building {base}{registry.VARIANT_SEP}{kind} (requantising locally)...", file=sys.stderr)
+            print(f"building {base}{catalog.VARIANT_SEP}{kind} (requantising locally)...", file=sys.stderr)
             path = str(registry.pull_variant(base, kind))
-            print(f"{base}{registry.VARIANT_SEP}{kind}: {path}", file=sys.stderr)
+            print(f"{base}{catalog.VARIANT_SEP}{kind}: {path}", file=sys.stderr)
     return 0
 
 
 def _pull_base(name: str) -> None:
-    base, _ = registry.split_variant(name)
-    if base in registry.known_models():
+    base, _ = catalog.split_variant(name)
+    if base in catalog.known_models():
         pull_with_progress(base)
 
 
@@ -155,23 +156,23 @@ def run_requant(args: argparse.Namespace) -> int:
     check_optional_int("--threads", args.threads, 1, MAX_THREADS, hint="leave it out to use every core")
     if args.json:  # checked before the work, not after it
         check_overwrite(Path(args.json), True)
-    base, kind = registry.split_variant(args.model)
+    base, kind = catalog.split_variant(args.model)
     if kind is not None:
         raise EesdError(f"{args.model!r} is already a variant", hint=f"requantise the source: eesd models requant {base} --type {args.kind}")
     _pull_base(args.model)
     src = registry.resolve_model(args.model)
     if args.output:
         out = Path(args.output)
-    elif args.model in registry.known_models():
-        out = registry.variant_file(registry.get_spec(args.model), args.kind)
+    elif args.model in catalog.known_models():
+        out = catalog.variant_file(catalog.get_spec(args.model), args.kind)
     else:
         out = cache_dir("models") / variant_path(src, args.kind).name
     t0 = time.monotonic()
     requantize(src, out, args.kind, force=args.force, n_threads=args.threads)
     types = ", ".join(f"{n} {t}" for t, n in tensor_types(out).items())
     print(f"wrote {out} ({out.stat().st_size / 2**20:.0f} MiB; tensors: {types}) in {time.monotonic() - t0:.1f} s", file=sys.stderr)
-    if registry.split_variant(f"{args.model}{registry.VARIANT_SEP}{args.kind}")[1] and not args.output:
-        print(f"use it as --model {args.model}{registry.VARIANT_SEP}{args.kind}", file=sys.stderr)
+    if catalog.split_variant(f"{args.model}{catalog.VARIANT_SEP}{args.kind}")[1] and not args.output:
+        print(f"use it as --model {args.model}{catalog.VARIANT_SEP}{args.kind}", file=sys.stderr)
     if not args.quality:
         return 0
     with Console(stderr=True).status("measuring quality against the source (teacher-forced agreement, greedy answers)"):

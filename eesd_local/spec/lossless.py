@@ -14,15 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from eesd_local.claim import CLAIM
 from eesd_local.llama.runtime import Context, ContextParams, Model
 
+__all__ = ["CLAIM", "NEAR_TIE", "Divergence", "compare", "first_divergence"]
+
 NEAR_TIE = 0.25  # logits; batched vs single-token rounding on GPUs and unpatched CPU builds is ~0.1
-
-# what eesd-local promises, in these words wherever it is said (README, --help, the API docstring)
-CLAIM = ("On the CPU, greedy output is byte-identical to plain decoding, whatever the drafter, the controller and "
-         "the timing (elsewhere, such as on a GPU, it can leave plain decoding's at a near tie, and `eesd generate -v` "
-         'says so); sampling keeps the target\'s exact distribution (real speculative sampling, not "sample and match").')
-
 
 @dataclass
 class Divergence:

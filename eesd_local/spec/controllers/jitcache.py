@@ -65,6 +65,7 @@ _LOCATORS = ("UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLoc
 _CHECKED = ("_load_index", "_save_index", "_load_data", "_save_data", "_data_path")
 
 
+@functools.cache
 def _cache_class() -> type | None:
     """A FunctionCache for the kernels: stamped locators first, checked cache files; None where
     Numba's caching internals are not the ones this was written against."""
@@ -93,15 +94,14 @@ def _cache_class() -> type | None:
     return KernelCache
 
 
-_KERNEL_CACHE = _cache_class()
-
 
 def _cached(compiled: Any, py_func: Any) -> Any:
     """``compiled`` (a dispatcher or a cfunc) with the kernels' cache, or Numba's own as a fallback."""
-    if _KERNEL_CACHE is None:
+    cache = _cache_class()
+    if cache is None:
         compiled.enable_caching()
     else:
-        compiled._cache = _KERNEL_CACHE(py_func)  # what enable_caching() does, with our cache class
+        compiled._cache = cache(py_func)  # what enable_caching() does, with our cache class
     return compiled
 
 

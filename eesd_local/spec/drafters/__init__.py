@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from eesd_local.errors import EesdError
-from eesd_local.gguf import headfile as heads
+from eesd_local.gguf import headfile
 from eesd_local.gguf.check import check_gguf
 from eesd_local.gguf.headfile import check_head_for
 from eesd_local.llama import native
@@ -42,7 +42,7 @@ def _eesd_draft_path(config: Any, model: Model, required: bool) -> Any:
     if config.head:
         head = resolve_head(config.head)
     else:
-        head = heads.find_head(model.path)
+        head = headfile.find_head(model.path)
         if head is None:
             if required:
                 raise EesdError(
@@ -50,7 +50,7 @@ def _eesd_draft_path(config: Any, model: Model, required: bool) -> Any:
                     hint="train one with `eesd heads train`, pass --head HEAD.gguf, or use --drafter lookup",
                 )
             return None
-    return heads.build_draft(model.path, head)
+    return headfile.build_draft(model.path, head)
 
 
 def resolve_head(spec: str) -> Any:
@@ -70,7 +70,7 @@ def shared_trunk_plan(config: Any, model_path: Any) -> tuple[tuple[Any, int] | N
         return None, ""
     if kind not in ("auto", "eesd", "hierarchical"):
         return None, ""
-    head = resolve_head(config.head) if config.head else heads.find_head(model_path)
+    head = resolve_head(config.head) if config.head else headfile.find_head(model_path)
     if head is None:
         return None, ""
     info, _ = check_head_for(model_path, head)  # a head for another model: its own clear error

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eesd_local.errors import EesdError
-from eesd_local.tools.heads.data import _module_name, _stdlib_files, is_heldout_module, sharegpt_items
+from eesd_local.tools.heads.data import is_heldout_module, module_name, sharegpt_items, stdlib_files
 
 BUILTIN_SETS = ("code", "chat", "rewrite")
 DEFAULT_CATEGORY = "default"
@@ -176,8 +176,8 @@ def rewrite_set(*, min_lines: int = 6, max_lines: int = 30) -> list[PromptItem]:
     # the head-training file list and split rule, so held-out here means held out there
 
     items = []
-    for path in _stdlib_files():
-        mod = _module_name(path)
+    for path in stdlib_files():
+        mod = module_name(path)
         if not is_heldout_module(mod):
             continue
         try:

@@ -57,7 +57,7 @@ from eesd_local.llama import runtime
 from eesd_local.llama.catalog import known_models, registry_name_for
 from eesd_local.paths import cache_dir, models_dir
 from eesd_local.tools.heads import data
-from eesd_local.tools.heads.teacher import _quiet_logs, chat_formatter
+from eesd_local.tools.heads.teacher import chat_formatter, quiet_logs
 
 FORMAT = 1
 MAGIC = b"EESDCORP"
@@ -382,7 +382,7 @@ class Answerer:
         runtime.setup_process()  # llama.cpp's model defaults made safe on AMX CPUs (and malloc tuned)
         self.L = L
         L.llama_backend_init()
-        _quiet_logs(L)
+        quiet_logs(L)
         self.model = L.llama_model_load_from_file(str(model_path).encode(), L.llama_model_default_params())
         if not self.model:
             raise EesdError(f"llama.cpp could not load {model_path}")

@@ -102,14 +102,14 @@ def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def _stdlib_files() -> list[Path]:
+def stdlib_files() -> list[Path]:
     root = stdlib_dir()
     skip = ("test", "tests", "idlelib", "lib2to3", "site-packages", "ensurepip", "turtledemo", "__pycache__")
     files = [p for p in sorted(root.rglob("*.py")) if not any(part in skip for part in p.relative_to(root).parts)]
     return files
 
 
-def _module_name(path: Path) -> str:
+def module_name(path: Path) -> str:
     rel = path.relative_to(stdlib_dir()).with_suffix("")
     return ".".join(rel.parts)
 
@@ -141,8 +141,8 @@ def _doc_phrase(doc: str) -> str:
 def code_items(split: str, *, max_lines: int = 40) -> list[Item]:
     """Code requests built from standard-library functions (signature, docstring, source)."""
     items = []
-    for path in _stdlib_files():
-        mod = _module_name(path)
+    for path in stdlib_files():
+        mod = module_name(path)
         if is_heldout_module(mod) != (split == "heldout"):
             continue
         try:
@@ -170,8 +170,8 @@ def code_items(split: str, *, max_lines: int = 40) -> list[Item]:
 def source_items(*, chunk_chars: int = 2000) -> list[Item]:
     """Chunks of training-split stdlib source files as raw text (teacher-forced real code)."""
     items = []
-    for path in _stdlib_files():
-        mod = _module_name(path)
+    for path in stdlib_files():
+        mod = module_name(path)
         if is_heldout_module(mod):
             continue
         try:

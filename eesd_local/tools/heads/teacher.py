@@ -107,7 +107,7 @@ class LlamaRunner:
         runtime.setup_process()  # llama.cpp's model defaults made safe on AMX CPUs (and malloc tuned)
         self.L = L
         L.llama_backend_init()
-        _quiet_logs(L)
+        quiet_logs(L)
         mparams = L.llama_model_default_params()
         self.model = L.llama_model_load_from_file(str(model_path).encode(), mparams)
         if not self.model:
@@ -177,7 +177,7 @@ class LlamaRunner:
 _LOG_CB = None
 
 
-def _quiet_logs(L) -> None:
+def quiet_logs(L) -> None:
     """Silence llama.cpp's INFO chatter (errors still print)."""
     global _LOG_CB
     if _LOG_CB is None:

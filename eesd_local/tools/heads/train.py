@@ -32,8 +32,7 @@ from eesd_local.atomic import atomic_path
 from eesd_local.errors import EesdError
 from eesd_local.gguf.headfile import head_tensors, read_head_info, write_head
 from eesd_local.gguf.reader import read_header
-from eesd_local.tools.heads import teacher
-from eesd_local.tools.heads.draftvocab import draft_vocab
+from eesd_local.tools.heads import draftvocab, teacher
 from eesd_local.tools.heads.torchmodel import Trunk, make_exit_head
 
 
@@ -295,7 +294,7 @@ def train_head(
     vprime = None  # the draft vocabulary V' (sorted ids) when training over it
     in_v = None
     if cfg.draft_vocab:
-        vprime = draft_vocab(base_path, cfg.draft_vocab).astype(np.int64)
+        vprime = draftvocab.draft_vocab(base_path, cfg.draft_vocab).astype(np.int64)
         in_v = torch.zeros(vocab + 1, dtype=torch.bool)  # index vocab = the "no row" id -1
         in_v[torch.from_numpy(vprime)] = True
     pool = np.arange(vocab) if vprime is None else vprime  # negatives are drawn from here
