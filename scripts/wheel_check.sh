@@ -18,10 +18,13 @@ echo "building the eesd-local wheel"
 # no build isolation: the native extension compiles against the llama-cpp-python of .venv
 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$WORK/dist" . >"$WORK/build.log" 2>&1 || { tail -30 "$WORK/build.log"; exit 1; }
 WHEEL=$(ls "$WORK"/dist/eesd_local-*.whl)
-echo "  $(basename "$WHEEL")"
+NATIVE=$("$PY" -c "import sys, zipfile; print(any('/_native' in n for n in zipfile.ZipFile(sys.argv[1]).namelist()))" "$WHEEL")
+echo "  $(basename "$WHEEL") (native round loop inside: $NATIVE)"
 echo "installing it into a fresh venv"
 "$PY" -m venv "$WORK/venv"
-"$WORK/venv/bin/python" -m pip install -q --disable-pip-version-check --find-links "$ROOT/build/wheels" "$WHEEL"
+"$WORK/venv/bin/python" -m pip install -q --disable-pip-version-check --find-links "$ROOT/build/wheels" "$WHEEL" 2>&1 \
+  | grep -v "^WARNING: Location" || true
+"$WORK/venv/bin/python" -c "import eesd_local" || { echo "wheel_check: the install failed" >&2; exit 1; }
 if "$WORK/venv/bin/python" -c "import torch" 2>/dev/null; then echo "wheel_check: torch was installed" >&2; exit 1; fi
 cd "$WORK"  # outside the repository: nothing of the checkout can be imported by accident
 VENV="$WORK/venv/bin"

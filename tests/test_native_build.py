@@ -59,9 +59,12 @@ def test_native_sources_compile(name, cxx, flags, full, tmp_path):
     assert SOURCES, f"no C++ sources in {NATIVE}"
     cxx = _compiler(name, cxx)
     base = [cxx, "-std=c++17", "-Wall", "-Wextra", "-fopenmp-simd", '-DEESD_LLAMA_CPP_VERSION="0.0.0"', *flags, *_includes()]
+    procs = []  # the sources compile side by side (one compiler each)
     for src in SOURCES:
         mode = ["-c", "-O0", "-o", str(tmp_path / f"{src.stem}.o")] if full else ["-fsyntax-only"]
-        out = subprocess.run([*base, *mode, str(src)], capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, f"{name}: {src.name} does not compile:\n{out.stderr[-4000:]}"
-        ours = [line for line in out.stderr.splitlines() if f"{NATIVE.name}/" in line and "warning:" in line]
+        procs.append((src, subprocess.Popen([*base, *mode, str(src)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+    for src, proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"{name}: {src.name} does not compile:\n{err[-4000:]}"
+        ours = [line for line in err.splitlines() if f"{NATIVE.name}/" in line and "warning:" in line]
         assert not ours, f"{name}: warnings in {src.name}:\n" + "\n".join(ours)
