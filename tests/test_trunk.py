@@ -19,6 +19,7 @@ from eesd_local.gguf import headfile, writer
 from eesd_local.gguf import reader as ggufread
 from eesd_local.llama import trunk
 from eesd_local.llama.runtime import Context, ContextParams, Model
+from eesd_local.paths import models_dir
 from eesd_local.spec.events import TokenEvent
 from eesd_local.spec.sampling import SamplingParams, probs
 from eesd_local.tools import heads
@@ -167,7 +168,7 @@ def test_unsupported_architecture_and_exit_layer(gemma_path, qwen05_path, isolat
 
 def test_head_for_another_model_and_corrupt_head(qwen05_path, isolated_home, tmp_path):
     vocab = np.arange(1000, dtype=np.int32)
-    other = Path(heads.__file__).resolve().parents[2] / "models" / "qwen2.5-coder-1.5b-instruct.exit6.gguf"
+    other = models_dir() / "qwen2.5-coder-1.5b-instruct.exit6.gguf"
     with pytest.raises(EesdError, match="was made for"):
         trunk.build_trunk(qwen05_path, other, vocab)
     head = heads.find_head(qwen05_path)
@@ -207,7 +208,7 @@ def test_an_interrupted_derivation_leaves_nothing_and_the_next_run_rebuilds(qwen
 
 
 def test_a_head_for_another_model_is_one_error_line(qwen05_path, isolated_home):
-    other = Path(heads.__file__).resolve().parents[2] / "models" / "qwen2.5-coder-1.5b-instruct.exit6.gguf"
+    other = models_dir() / "qwen2.5-coder-1.5b-instruct.exit6.gguf"
     exe = shutil.which("eesd", path=os.path.dirname(sys.executable))
     assert exe
     r = subprocess.run([exe, "generate", "--model", str(qwen05_path), "--drafter", "eesd", "--head", str(other),

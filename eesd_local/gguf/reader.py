@@ -177,6 +177,8 @@ def read_header(path: Path, *, keep_strings: tuple[str, ...] | bool = ()) -> GGU
                         hint="the file may be corrupt, or written by a newer tool: re-create it")
     n_tensors = buf.count(8 + 4 + 4 + 8, "tensor")  # name length, n_dims, type, offset
     n_kv = buf.count(8 + 4, "key/value")  # key length, value type
+    keep_all = keep_strings is True
+    keep = () if isinstance(keep_strings, bool) else keep_strings
     kv: dict[str, Any] = {}
     kv_raw: dict[str, bytes] = {}
     kv_types: dict[str, tuple[int, int | None]] = {}
@@ -187,7 +189,7 @@ def read_header(path: Path, *, keep_strings: tuple[str, ...] | bool = ()) -> GGU
             raise _corrupt(path, f"key {key!r} appears twice")
         vtype = buf.take("<I")
         etype = struct.unpack_from("<I", buf.d, buf.p)[0] if vtype == ARR and buf.p + 4 <= len(buf.d) else None
-        kv[key] = buf.value(vtype, keep_strings is True or key in keep_strings)
+        kv[key] = buf.value(vtype, keep_all or key in keep)
         kv_raw[key] = bytes(buf.d[start : buf.p])
         kv_types[key] = (vtype, etype)
     alignment = kv.get("general.alignment", 32)
