@@ -17,6 +17,7 @@ import time
 from eesd_local.spec.engine import Engine, EngineConfig
 from eesd_local.spec.events import FinishEvent, RoundEvent
 from eesd_local.tools.bench.prompts import load_prompts
+from eesd_local.tools.prepare import prepare
 
 
 def main() -> None:
@@ -29,7 +30,10 @@ def main() -> None:
     args = ap.parse_args()
     methods = args.methods.split(",")
     items = load_prompts("chat", categories=[f"chat-{k}" for k in args.kinds.split(",")], n_per_category=args.n_prompts)
-    engines = {m: Engine(EngineConfig(model=args.model, drafter=m)) for m in methods}
+    configs = {m: EngineConfig(model=args.model, drafter=m) for m in methods}
+    for c in configs.values():
+        prepare(c)  # the files an engine reads: a pull, a draft vocabulary
+    engines = {m: Engine(c) for m, c in configs.items()}
     for e in engines.values():  # warm-up: the controller learns this machine's costs
         e.run(e.apply_chat_template([{"role": "user", "content": "Say hello."}]), max_tokens=16)
     # per method: bucket -> [rounds, seconds of target decode, tokens emitted]

@@ -207,8 +207,6 @@ def read_header(path: Path, *, keep_strings: tuple[str, ...] | bool = ()) -> GGU
         ttype = buf.take("<I")
         off = buf.take("<Q")
         try:
-            from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: PLC0415 - optional dependency
-
             block = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)][0]
         except (KeyError, ValueError):
             raise EesdError(

@@ -21,6 +21,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,7 @@ from eesd_local.tools.bench.prompts import PromptItem, load_prompts
 from eesd_local.tools.bench.servers import HttpPeer, LlamaServerPeer, PeerFailed, stop_all
 from eesd_local.tools.prepare import prepare
 from eesd_local.tools.registry import resolve_model
+from eesd_local.tools.weights import COST_KS, batch_costs
 
 # progress(done, total, what): done == 0 while methods load and warm up
 Progress = Callable[[int, int, str], None]
@@ -356,8 +358,6 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> Results:
                                                 m.exact, spec.is_peer)
         assert ref is not None
         if cfg.cost_repeats > 0:
-            from eesd_local.tools.weights import COST_KS, batch_costs  # noqa: PLC0415 - optional dependency
-
             report(0, res.n_planned, "measuring B(k)")
             table = batch_costs([model_path], COST_KS, repeats=cfg.cost_repeats, n_threads=res.n_threads)[0]
             res.batch_costs = table.to_json()
@@ -413,8 +413,6 @@ def machine_info(cfg: BenchConfig, n_threads: int) -> dict:
     if cfg.n_gpu_layers:
         gpu = _gpu_name()
     try:
-        from importlib.metadata import version  # noqa: PLC0415 - optional dependency
-
         lcp = version("llama-cpp-python")
     except Exception:
         lcp = None
