@@ -5,7 +5,7 @@ on top of :meth:`Engine.generate`.
 On the CPU, greedy output is byte-identical to plain decoding, whatever the drafter, the controller
 and the timing (elsewhere, such as on a GPU, it can leave plain decoding's at a near tie, and the
 ``speculation`` block's ``exact`` says which holds); sampling keeps the target's exact distribution
-(real speculative sampling, not "sample and match"). The wording is ``eesd_local.spec.lossless.CLAIM``.
+(real speculative sampling, not "sample and match"). The wording is ``eesd_local.claim.CLAIM``.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def resolve_head(spec: str) -> Any:
 
 def shared_trunk_plan(config: Any, model_path: Any) -> tuple[tuple[Any, int] | None, str]:
     """((exit head GGUF, exit layer), "") when the engine should run the target split around the
-    exit head's trunk (:mod:`..trunk`): a drafter that uses the exit head, a head made for this
+    exit head's trunk (:mod:`eesd_local.llama.trunk`): a drafter that uses the exit head, a head made for this
     model, a supported architecture and the native capture; else (None, why not) and one
     full-model context (the head, if any, then runs as a separate draft model)."""
     kind = config.drafter

@@ -69,7 +69,7 @@ class ModelDrafter:
 
     @classmethod
     def on_trunk(cls, trunk: Context, *, name: str = "eesd") -> ModelDrafter:
-        """The exit head's draft on the shared trunk (:mod:`..trunk`): the target's own trunk+exit
+        """The exit head's draft on the shared trunk (:mod:`eesd_local.llama.trunk`): the target's own trunk+exit
         context, which every verify keeps in step, so it never catches up and begins with nothing."""
         self = cls.__new__(cls)
         self.name, self.model, self.ctx, self.shared = name, trunk.model, trunk, True

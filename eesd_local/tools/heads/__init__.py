@@ -1,6 +1,6 @@
-"""Exit heads for the early-exit (EESD) drafter: head files, the draft builder, training.
-
-The public API the engine calls::
+"""Exit heads for the early-exit (EESD) drafter: training, the teacher corpus, evaluation, the
+draft vocabulary. The head files themselves and the draft builder are :mod:`eesd_local.gguf.headfile`
+(the engine's side); re-exported here::
 
     fingerprint(base_path) -> str
     find_head(base_path) -> Path | None
