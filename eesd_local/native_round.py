@@ -25,8 +25,9 @@ import numpy as np
 
 from .drafters.base import Drafter, NativeSpec
 from .errors import ContextFullError, EesdError
+from .ggmlapi import rpc_failures
 from .rounds import Controller, PythonRounds, RoundLoop, RoundResult
-from .runtime import Context
+from .runtime import Context, check_rpc
 from .sampling import SamplingParams, TokenRNG
 
 # the extension's drafting modes: nothing, n-gram lookup proposals, a draft context, the controller's choice per round
@@ -176,10 +177,15 @@ class NativeRounds:
         _open(self.ctx, "target")
         if self.draft_ctx is not None:
             _open(self.draft_ctx, "draft")
+        model = self.ctx.model
+        lost = rpc_failures() if model.rpc else 0
         try:
-            self._queue.extend(self.rounds.run_batch(len(history), self.draft_max, left, 1 << 20))
+            batch = self.rounds.run_batch(len(history), self.draft_max, left, 1 << 20)
         except self._native.ContextFull as exc:
             raise ContextFullError(str(exc), hint="start a new conversation or pass a larger --n-ctx") from None
+        if model.rpc:
+            check_rpc(model, lost)  # a server lost during the batch: none of its rounds is taken
+        self._queue.extend(batch)
 
     def close(self) -> None:
         """Hand the KV records back to the Python contexts (the engine calls this before any other
