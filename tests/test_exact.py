@@ -11,6 +11,7 @@ restores llama.cpp's own kernels) must be caught by the same comparison.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 
 import eesd_local
+from eesd_local.llama.ggmlapi import exact_rows, ggml_symbol, prefill_kernels
 from eesd_local.spec.events import FinishEvent, TokenEvent
 
 from .conftest import QWEN05
@@ -148,3 +150,33 @@ def test_a_batch_dependent_kernel_is_caught(qwen05_path):
     assert not out["none"]["exact"] and "GGML_CPU_EXACT_ROWS" in out["none"]["note"]
     differ = [p["id"] for p, a, b in zip(PROMPTS[::2], out["none"]["answers"], out["spec"]["answers"], strict=True) if a != b]
     assert differ, "batch-dependent kernels and not one answer differs: the comparison cannot catch them"
+
+
+def test_prefill_kernels_are_lifted_only_for_the_prompt():
+    """The prompt's prefill may take tinyBLAS at any row count (it is cut the same way in every run);
+    decode batches must be back on the batch-invariant kernels after it, error or not."""
+
+    raw = ggml_symbol("ggml_cpu_exact_rows")
+    raw.restype = ctypes.c_int
+    assert raw() == exact_rows() == 16
+    with prefill_kernels():
+        assert raw() == 0
+    assert raw() == 16
+    with pytest.raises(RuntimeError), prefill_kernels():
+        raise RuntimeError("a failed prefill")
+    assert raw() == 16
+    with eesd_local.load(QWEN05, n_ctx=2048, drafter="lookup") as eng:
+        eng.run(_tokens(eng, PROMPTS[0]), max_tokens=4)
+    assert raw() == 16
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "eesd"])
+def test_seeded_sampling_is_reproducible(drafter):
+    """Temperature > 0 with a seed and fixed draft lengths: two runs, one text (speculative
+    sampling draws its numbers in the same order whenever the rounds are the same)."""
+    p = next(p for p in PROMPTS if p["kind"] == "chat")
+    texts = set()
+    for _ in range(2):
+        with eesd_local.load(QWEN05, n_ctx=2048, drafter=drafter, controller="fixed:4") as eng:
+            texts.add(eng.run(_tokens(eng, p), max_tokens=48, temperature=0.8, top_p=0.95, seed=1234).text)
+    assert len(texts) == 1, texts

@@ -19,6 +19,7 @@ from rich.table import Table
 
 from eesd_local.atomic import check_overwrite, write_text_atomic
 from eesd_local.commands.models import pull_with_progress
+from eesd_local.commands.options import endpoints_arg
 from eesd_local.defaults import DRAFT_MAX, N_CTX
 from eesd_local.errors import EesdError
 from eesd_local.llama.catalog import DEFAULT_MODEL, known_models
@@ -35,7 +36,7 @@ _FLAGS = (
     ("--category", "categories"), ("--n-prompts", "n_prompts"), ("--methods", "methods"), ("--controller", "controller"),
     ("--max-tokens", "max_tokens"), ("--temperature", "temperature"), ("--top-k", "top_k"), ("--top-p", "top_p"), ("--seed", "seed"),
     ("--repeats", "repeats"), ("--warmup-tokens", "warmup_tokens"), ("--draft-max", "draft_max"), ("--n-ctx", "n_ctx"),
-    ("--n-gpu-layers", "n_gpu_layers"), ("--n-threads", "n_threads"), ("--cost-repeats", "cost_repeats"),
+    ("--n-gpu-layers", "n_gpu_layers"), ("--n-threads", "n_threads"), ("--cost-repeats", "cost_repeats"), ("--rpc", "rpc"),
 )
 
 
@@ -68,6 +69,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--n-ctx", "--ctx", type=int, default=N_CTX, help="context size of every method (default 4096)")
     p.add_argument("--n-gpu-layers", type=int, default=0, help="layers to offload to the GPU (-1: all)")
     p.add_argument("--n-threads", "--threads", type=int, default=None, help="CPU threads of every method (default: all cores)")
+    p.add_argument("--rpc", type=endpoints_arg, default=(), metavar="HOST:PORT[,HOST:PORT...]",
+                   help="llama.cpp RPC servers (eesd rpc-server) holding the layers --n-gpu-layers offloads, for every "
+                        "method (llama-server peers included); B(k) is then measured over RPC too")
     p.add_argument("--cost-repeats", type=int, default=5, metavar="N",
                    help="decodes per batch size k (1..8, 16) for the model's B(k), reported beside the speedups (default 5; 0: skip)")
     p.add_argument("--json", metavar="OUT", help="write the figures as JSON")
@@ -107,7 +111,10 @@ def command_line(cfg: BenchConfig, args: argparse.Namespace) -> str:
         value = getattr(cfg, field)
         if value is None:
             continue
-        if isinstance(value, list):
+        if isinstance(value, tuple):  # --rpc
+            if value:
+                words += [flag, ",".join(value)]
+        elif isinstance(value, list):
             words += [flag, *value]
         else:
             words += [flag, str(value)]

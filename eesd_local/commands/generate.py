@@ -6,6 +6,9 @@ import argparse
 import contextlib
 import signal
 import sys
+import time
+
+import psutil
 
 from eesd_local.api import load
 from eesd_local.commands.options import add_engine_args, add_sampling_args, engine_config
@@ -32,7 +35,11 @@ def run(args: argparse.Namespace) -> int:
     # the sampling options are checked before the model loads (Engine.generate checks them the same way)
     check_sampling(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     prompt: str | list[int] = _read_stdin() if args.prompt == "-" else args.prompt
+    t_run = time.perf_counter()
+    startup = max(0.0, time.time() - psutil.Process().create_time())  # interpreter and imports
+    t_load = time.perf_counter()
     with load(**vars(engine_config(args))) as engine:
+        t_load = time.perf_counter() - t_load
         print(engine.drafter_note, file=sys.stderr)
         if args.verbose:
             print(engine.loop_note, file=sys.stderr)
@@ -43,9 +50,13 @@ def run(args: argparse.Namespace) -> int:
         events = engine.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                  top_p=args.top_p, seed=args.seed)
         fin = None
+        t_gen, t_first, total = time.perf_counter(), 0.0, 0.0
         try:
             for ev in events:
                 if isinstance(ev, TokenEvent):
+                    if not t_first:
+                        now = time.perf_counter()
+                        t_first, total = now - t_gen, startup + now - t_run
                     sys.stdout.write(ev.text)
                     sys.stdout.flush()
                 elif isinstance(ev, FinishEvent):
@@ -65,10 +76,20 @@ def run(args: argparse.Namespace) -> int:
             print(f"[{fin.reason}] {fin.stats.summary()}", file=sys.stderr)
             if args.verbose and fin.stats.by_source:
                 print(f"[sources] {fin.stats.source_summary()}", file=sys.stderr)
+            if args.verbose:
+                print(first_token_line(engine, startup, total, t_load, t_first, fin), file=sys.stderr)
             if fin.reason == "context":
                 print(f"eesd: the context of {engine.ctx.n_ctx} tokens is full: the answer stopped after "
                       f"{fin.stats.n_generated} of {args.max_tokens} tokens (pass a larger --n-ctx)", file=sys.stderr)
     return 0
+
+
+def first_token_line(engine, startup: float, total: float, t_load: float, t_first: float, fin: FinishEvent) -> str:
+    """Where the time before the first token went: the process's start-up (interpreter and imports),
+    the engine's load step by step, then the prompt's prefill and the first token."""
+    steps = ", ".join(f"{k} {v:.2f}" for k, v in engine.load_times.items() if v >= 0.005)
+    return (f"[first token after {total:.2f} s: start-up {startup:.2f} s, load {t_load:.2f} s ({steps}), "
+            f"prompt {fin.stats.t_prefill:.2f} s ({fin.stats.n_prompt} tokens), first token {max(0.0, t_first - fin.stats.t_prefill):.2f} s]")
 
 
 def exact_line(engine) -> str:

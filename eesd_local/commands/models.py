@@ -14,7 +14,7 @@ from rich.table import Table
 
 from eesd_local.atomic import check_overwrite, write_text_atomic
 from eesd_local.errors import EesdError
-from eesd_local.llama import catalog
+from eesd_local.llama import catalog, costs
 from eesd_local.llama.catalog import VARIANTS, variant_path
 from eesd_local.params import MAX_THREADS, check_int, check_optional_int
 from eesd_local.paths import cache_dir
@@ -37,9 +37,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     pw = msub.add_parser("path", help="print the local path of a model (pulling it if needed)")
     pw.add_argument("name", metavar="NAME")
     pw.set_defaults(func=run_path)
-    pc = msub.add_parser("costs", help="measure B(k), the decode time of a batch of k tokens relative to one token",
+    pc = msub.add_parser("costs", help="measure B(k), the decode time of a batch of k tokens relative to one token, "
+                         "and keep it as this machine's cost profile",
                          description="Decode k = 1..K tokens after a 64-token prefix (the KV cache trimmed back each time) "
-                         "and print the median time and B(k) = t(k)/t(1). Several models are measured interleaved.")
+                         "and print the median time and B(k) = t(k)/t(1). Several models are measured interleaved. The "
+                         "figures are kept as this machine's cost profile of each model (keyed by CPU, threads, llama.cpp "
+                         "build and model file), which the engine reads to decide whether the exit head can pay here; "
+                         "run it again to refresh them.")
     pc.add_argument("models", nargs="+", metavar="MODEL", help="registry name, NAME:VARIANT or GGUF path")
     pc.add_argument("--max-k", type=int, default=16, help="largest batch (default %(default)s)")
     pc.add_argument("--repeats", type=int, default=12, help="decodes per batch size; the median is reported (default %(default)s)")
@@ -143,6 +147,13 @@ def run_costs(args: argparse.Namespace) -> int:
         for k, b in t.ratios.items():
             table.add_row(str(k), f"{t.ms[k]:.1f}", f"{b:.2f}", f"{b / k:.2f}")
         out.print(table)
+    for path, t in zip(paths, tables, strict=True):  # the engine reads these (exit head on or off, B(k) known at once)
+        if not costs.plausible(t.ratios):
+            err.print(f"[yellow]not kept as {path.name}'s cost profile: B(k) looks disturbed by other work on this "
+                      "machine; measure again when it is quiet[/]")
+            continue
+        kept = costs.keep(path, t.ms[1], t.ratios, n_threads=t.n_threads, repeats=t.repeats)
+        err.print(f"kept as this machine's cost profile of {path.name}: {kept}")
     if args.json:
         text = json.dumps([dict(t.to_json(), name=n) for n, t in zip(args.models, tables, strict=True)], indent=1) + "\n"
         if args.json == "-":

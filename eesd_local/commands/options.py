@@ -47,7 +47,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, positional_model: bool = Fals
     p.add_argument("--n-threads", "--threads", dest="n_threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--batch-ms", type=float, default=_DEFAULT.batch_ms,
                    help="native loop: milliseconds of rounds run before their tokens stream out (default %(default)s; 0: every round)")
-    p.add_argument("--rpc", type=_endpoints, default=(), metavar="HOST:PORT[,HOST:PORT...]",
+    p.add_argument("--rpc", type=endpoints_arg, default=(), metavar="HOST:PORT[,HOST:PORT...]",
                    help="llama.cpp RPC servers (eesd rpc-server) to offload layers to, with --n-gpu-layers")
     p.add_argument("--cache-reuse", choices=("exact", "conversation"), default=_DEFAULT.cache_reuse,
                    help="what of the cache a new prompt reuses: exact (default: only what a fresh prompt computes the same "
@@ -55,7 +55,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, positional_model: bool = Fals
                         "shares with it; eesd-chat's default)")
 
 
-def _endpoints(text: str) -> tuple[str, ...]:
+def endpoints_arg(text: str) -> tuple[str, ...]:
     try:
         return tuple(parse_endpoints(text))
     except EesdError as exc:

@@ -464,11 +464,7 @@ class Context:
         server stopped answering meanwhile, else this and every later decode raises."""
         if not self.model.rpc_lost:
             lc.llama_synchronize(self.ptr)
-            if rpc_failures() > before:
-                self.model.rpc_lost = (f"an RPC server ({', '.join(self.model.rpc)}) stopped answering during a "
-                                       "decode: the model's layers there are gone")
-        if self.model.rpc_lost:
-            raise RpcError(self.model.rpc_lost, hint="start the server again and load the model again")
+        check_rpc(self.model, before)
 
     def logits(self, row: int = -1) -> np.ndarray:
         """Logit row ``row`` of the last decode (negative counts from the end): a float32 view
@@ -510,3 +506,14 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def check_rpc(model: Model, before: int) -> None:
+    """Raise RpcError if an RPC server of ``model`` stopped answering since the failure count was
+    ``before`` (:func:`rpc_failures`), or ever did: the decodes since then ran on zeros. The native
+    round loop calls it after each batch of rounds, before any of their tokens is taken."""
+    if model.rpc and not model.rpc_lost and rpc_failures() > before:
+        model.rpc_lost = (f"an RPC server ({', '.join(model.rpc)}) stopped answering during a "
+                          "decode: the model's layers there are gone")
+    if model.rpc_lost:
+        raise RpcError(model.rpc_lost, hint="start the server again and load the model again")

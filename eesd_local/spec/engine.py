@@ -8,6 +8,7 @@ output equals plain decoding; sampling keeps the target's distribution exactly.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
@@ -21,6 +22,7 @@ import numpy as np
 from eesd_local.defaults import BATCH_MS, DRAFT_MAX, N_CTX, PREFILL_CHUNK
 from eesd_local.errors import EesdError
 from eesd_local.llama.catalog import resolve_model
+from eesd_local.llama.ggmlapi import prefill_kernels
 from eesd_local.llama.rpc import parse_endpoints
 from eesd_local.llama.runtime import Context, ContextParams, Detokenizer, Model, common_prefix, exactness
 from eesd_local.llama.trunk import open_split
@@ -104,6 +106,15 @@ class Engine:
         self._live: RoundLoop | None = None  # its round loop (for cancel)
         self._cancel = False
         check_config(config)
+        t = time.perf_counter()
+        self.load_times: dict[str, float] = {}  # seconds per step of the load (eesd generate -v prints them)
+
+        def lap(step: str) -> None:
+            nonlocal t
+            now = time.perf_counter()
+            self.load_times[step] = self.load_times.get(step, 0.0) + now - t
+            t = now
+
         # greedy output byte-identical to plain decoding (runtime.exactness), and why (not)
         self.exact, self.exact_note = exactness(draft_max=config.draft_max, n_gpu_layers=config.n_gpu_layers,
                                                 rpc=bool(config.rpc))
@@ -111,7 +122,9 @@ class Engine:
         self.model_path = resolve_model(config.model)
         # with the shared trunk the target's weights are the trunk's and the tail's: its own load is vocabulary only
         plan, no_split = shared_trunk_plan(config, self.model_path)
+        lap("checks")
         self.model = Model(self.model_path, n_gpu_layers=config.n_gpu_layers, vocab_only=plan is not None, rpc=config.rpc)
+        lap("model")
         self.drafter: Drafter = NoDrafter()
         self.drafter_note = ""
         self.trunk: Any = None  # the shared trunk+exit context, when the target is split
@@ -122,17 +135,20 @@ class Engine:
                 self.trunk = self.ctx.trunk
             else:
                 self.ctx = Context(self.model, params)
+            lap("context")
             if config.draft_max + 1 > self.ctx.n_batch:  # a round decodes [last, d1..dk] in one batch
                 raise EesdError(f"a draft of up to {config.draft_max} tokens does not fit the target's batch of "
                                 f"{self.ctx.n_batch} tokens", hint=f"use --draft-max {self.ctx.n_batch - 1} or less")
             self.drafter, self.drafter_note = make_drafter(config, self.model, self.trunk)
             if no_split:
                 self.drafter_note += f"; {no_split}: the exit head runs as a separate draft model"
+            lap("drafter")
             self.controller = _make_controller(config.controller, config.draft_max, config.seed, n_sources(self.drafter))
         except BaseException:
             self.close()
             raise
         self.loop_note = native_round.status(self.drafter)[1]  # which round loop runs, and why
+        lap("controller")
 
     # --- the round loop --------------------------------------------------
 
@@ -210,10 +226,11 @@ class Engine:
         t_start = 0.0
         try:
             t0 = time.perf_counter()
-            n_fed = self._prefill(prompt)  # the last prompt token gives the first logits
-            t_fed = time.perf_counter() - t0
-            first = self._pick(ctx.logits(), params, rng)
-            drafter.begin(prompt)
+            with prefill_kernels() if self.exact else contextlib.nullcontext():
+                n_fed = self._prefill(prompt)  # the last prompt token gives the first logits
+                t_fed = time.perf_counter() - t0
+                first = self._pick(ctx.logits(), params, rng)
+                drafter.begin(prompt)
             ctl.begin_request()
             share = getattr(drafter, "weight_share", 0.0)  # a model drafter's weights over the target's
             if share and n_fed >= 16 and hasattr(ctl, "prime_resume"):

@@ -25,7 +25,8 @@ import numpy as np
 
 from eesd_local.errors import ContextFullError, EesdError
 from eesd_local.llama import native as native_ext
-from eesd_local.llama.runtime import Context
+from eesd_local.llama.ggmlapi import rpc_failures
+from eesd_local.llama.runtime import Context, check_rpc
 from eesd_local.spec.controllers import layout as L
 from eesd_local.spec.controllers.cfuncs import addresses, hindsight_address
 from eesd_local.spec.drafters.base import Drafter, NativeSpec
@@ -166,10 +167,15 @@ class NativeRounds:
         _open(self.ctx, "target")
         if self.draft_ctx is not None:
             _open(self.draft_ctx, "draft")
+        model = self.ctx.model
+        lost = rpc_failures() if model.rpc else 0
         try:
-            self._queue.extend(self.rounds.run_batch(len(history), self.draft_max, left, 1 << 20))
+            batch = self.rounds.run_batch(len(history), self.draft_max, left, 1 << 20)
         except self._native.ContextFull as exc:
             raise ContextFullError(str(exc), hint="start a new conversation or pass a larger --n-ctx") from None
+        if model.rpc:
+            check_rpc(model, lost)  # a server lost during the batch: none of its rounds is taken
+        self._queue.extend(batch)
 
     def close(self) -> None:
         """Hand the KV records back to the Python contexts (the engine calls this before any other

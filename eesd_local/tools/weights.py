@@ -81,11 +81,13 @@ def _filler_tokens(model, n: int) -> list[int]:
 
 
 def batch_costs(paths: Sequence[str | os.PathLike[str]], ks: Sequence[int] = tuple(range(1, 17)), *, repeats: int = 12,
-                prefix: int = PREFIX_TOKENS, n_threads: int | None = None, progress: Progress | None = None) -> list[CostTable]:
+                prefix: int = PREFIX_TOKENS, n_threads: int | None = None, progress: Progress | None = None,
+                n_gpu_layers: int = 0, rpc: Sequence[str] = ()) -> list[CostTable]:
     """B(k) of each model: after a ``prefix``-token prefill, decode k tokens with logits for every row
     (as a verify does), trim the KV back to the prefix, ``repeats`` times; report the medians.
     Several models are measured interleaved (repeat by repeat), so their figures share the
-    machine's noise and compare side by side."""
+    machine's noise and compare side by side. ``n_gpu_layers`` and ``rpc`` place the layers as the
+    engine does (B(k) over an RPC server includes its round trips)."""
     check_int("repeats", repeats, 1, hint="decodes per batch size, e.g. --repeats 12")
     ks = sorted(set(ks) | {1})
     for k in ks:
@@ -94,7 +96,7 @@ def batch_costs(paths: Sequence[str | os.PathLike[str]], ks: Sequence[int] = tup
     opened = []
     try:
         for p in paths:
-            model = Model(p)
+            model = Model(p, n_gpu_layers=n_gpu_layers, rpc=rpc)
             ctx = Context(model, ContextParams(n_ctx=prefix + max(ks) + 16, n_batch=max(prefix, max(ks)), n_threads=threads))
             opened.append((model, ctx))
         times: list[dict[int, list[float]]] = [{k: [] for k in ks} for _ in opened]

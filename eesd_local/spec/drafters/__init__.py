@@ -14,8 +14,9 @@ from eesd_local.errors import EesdError
 from eesd_local.gguf import headfile
 from eesd_local.gguf.check import check_gguf
 from eesd_local.gguf.headfile import check_head_for
-from eesd_local.llama import native
+from eesd_local.llama import costs, native
 from eesd_local.llama.catalog import resolve_model
+from eesd_local.llama.runtime import default_threads
 from eesd_local.llama.trunk import SPLIT_ARCHS
 from eesd_local.spec.drafters.auto import AutoDrafter
 from eesd_local.spec.drafters.base import Drafter, NoDrafter, Offer, Proposal
@@ -57,6 +58,31 @@ def resolve_head(spec: str) -> Any:
     return check_gguf(Path(spec).expanduser(), what="head")
 
 
+def auto_head(config: Any, model_path: Any, model: Model | None = None) -> tuple[Any, costs.Verdict | None]:
+    """The exit head ``auto`` would hold (None: none is known for the model), and whether it could
+    ever pay on this machine, from the kept cost profile (measured now with ``model`` where none is
+    kept; without ``model``, None when none is kept)."""
+    head = resolve_head(config.head) if config.head else headfile.find_head(model_path)
+    if head is None:
+        return None, None
+    info = headfile.read_head_info(head)
+    agreement = info.get("agreement")
+    agreement = float(agreement.get("all", 0.0)) if isinstance(agreement, dict) else 0.0
+    threads = config.n_threads or default_threads()
+    place = dict(n_threads=threads, n_gpu_layers=config.n_gpu_layers, rpc=tuple(config.rpc))
+    if model is None:
+        prof, _ = costs.cached(costs.fingerprint(model_path, **place))
+        if prof is None:
+            return head, None
+    else:
+        prof = costs.profile(model, **place)
+    v = costs.head_verdict(prof, agreement=agreement, exit_layer=int(info["exit_layer"]),
+                           n_layer=int(info["base_n_layer"]), k_max=int(config.draft_max))
+    if prof.note:
+        v.note += f"; {prof.note}"
+    return head, v
+
+
 def shared_trunk_plan(config: Any, model_path: Any) -> tuple[tuple[Any, int] | None, str]:
     """((exit head GGUF, exit layer), "") when the engine should run the target split around the
     exit head's trunk (:mod:`eesd_local.llama.trunk`): a drafter that uses the exit head, a head made for this
@@ -64,8 +90,11 @@ def shared_trunk_plan(config: Any, model_path: Any) -> tuple[tuple[Any, int] | N
     full-model context (the head, if any, then runs as a separate draft model)."""
     kind = config.drafter
     wanted = getattr(config, "shared_trunk", None)
-    if wanted is None:  # the default: where the exit head drafts every round it may (see EngineConfig.shared_trunk)
+    if wanted is None:  # the default: where the exit head drafts every round it may (see EngineConfig.shared_trunk),
+        # and for auto where the kept cost profile says the head can pay here (no second copy of the weights)
         wanted = kind in ("eesd", "hierarchical")
+        if kind == "auto" and not config.draft_model:
+            wanted = bool((v := auto_head(config, model_path)[1]) and v.pays)
     if not wanted or not isinstance(kind, str) or config.draft_model:
         return None, ""
     if kind not in ("auto", "eesd", "hierarchical"):
@@ -96,11 +125,15 @@ def make_drafter(config: Any, model: Model, trunk: Any = None) -> tuple[Drafter,
             return AutoDrafter(inner), f"drafter: auto (lookup or the draft model {path.name}, chosen per round)"
         if trunk is not None:
             return AutoDrafter(ModelDrafter.on_trunk(trunk)), "drafter: auto (lookup or the exit head, chosen per round; shared trunk)"
-        draft = _eesd_draft_path(config, model, required=False)
-        if draft is None:
-            return AutoDrafter(), "drafter: auto (lookup; no exit head is known for this model)"
-        inner = ModelDrafter(draft, model, name="eesd", **common)
-        return AutoDrafter(inner), "drafter: auto (lookup or the exit head, chosen per round)"
+        # the exit head is mapped, built and probed only where it could pay: else auto is prompt lookup itself
+        head, verdict = auto_head(config, model.path, model)
+        if head is None:
+            return LookupDrafter(), "drafter: auto (lookup; no exit head is known for this model)"
+        assert verdict is not None
+        if not verdict.pays:
+            return LookupDrafter(), f"drafter: auto (lookup; {verdict.note})"
+        inner = ModelDrafter(headfile.build_draft(model.path, head), model, name="eesd", **common)
+        return AutoDrafter(inner), f"drafter: auto (lookup or the exit head, chosen per round; {verdict.note})"
     if kind == "none":
         return NoDrafter(), "drafter: none (plain decoding)"
     if kind == "lookup":

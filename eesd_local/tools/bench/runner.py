@@ -76,6 +76,7 @@ class BenchConfig:
     n_gpu_layers: int = 0
     n_threads: int | None = None
     cost_repeats: int = 5  # decodes per batch size for the model's B(k) (weights.COST_KS); 0: skip
+    rpc: tuple[str, ...] = ()  # llama.cpp RPC servers holding the offloaded layers of every method
 
 
 @dataclass
@@ -195,15 +196,15 @@ def open_method(spec: MethodSpec, cfg: BenchConfig, model_path: Path, head: str 
         dm = resolve_model(draft_model) if draft_model else None
         if spec.drafter == "server":
             return LlamaServerPeer(spec, model_path, n_ctx=cfg.n_ctx, n_threads=threads, n_gpu_layers=cfg.n_gpu_layers,
-                                   draft_model=dm)
+                                   draft_model=dm, rpc=cfg.rpc)
         return HttpPeer(spec, model_path, n_ctx=cfg.n_ctx, n_threads=threads, n_gpu_layers=cfg.n_gpu_layers,
-                        draft_model=dm, draft_max=cfg.draft_max)
+                        draft_model=dm, draft_max=cfg.draft_max, rpc=cfg.rpc)
     if spec.is_peer:
         assert ref is not None
         return PeerMethod(spec, model_path, n_ctx=cfg.n_ctx, n_threads=threads, n_gpu_layers=cfg.n_gpu_layers,
                           is_eog=ref.engine.model.is_eog)
     kw: dict = dict(drafter=spec.drafter, controller=spec.controller, draft_max=cfg.draft_max, n_ctx=cfg.n_ctx,
-                    n_gpu_layers=cfg.n_gpu_layers, n_threads=cfg.n_threads, shared_trunk=spec.shared_trunk)
+                    n_gpu_layers=cfg.n_gpu_layers, n_threads=cfg.n_threads, shared_trunk=spec.shared_trunk, rpc=cfg.rpc)
     if spec.drafter in ("eesd", "hierarchical"):
         kw["head"] = head
     if spec.drafter == "auto" and cfg.head:  # else auto finds the model's shipped head itself, if any
@@ -359,7 +360,8 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> Results:
         assert ref is not None
         if cfg.cost_repeats > 0:
             report(0, res.n_planned, "measuring B(k)")
-            table = batch_costs([model_path], COST_KS, repeats=cfg.cost_repeats, n_threads=res.n_threads)[0]
+            table = batch_costs([model_path], COST_KS, repeats=cfg.cost_repeats, n_threads=res.n_threads,
+                                n_gpu_layers=cfg.n_gpu_layers, rpc=cfg.rpc)[0]
             res.batch_costs = table.to_json()
         done = 0
         for rep in range(cfg.repeats):

@@ -178,10 +178,12 @@ class ServerProcess:
 
 
 def llama_server_argv(model_path: Path, port: int, *, spec_type: str | None, draft_model: Path | None, n_ctx: int,
-                      n_threads: int, n_gpu_layers: int) -> list[str]:
+                      n_threads: int, n_gpu_layers: int, rpc: tuple[str, ...] = ()) -> list[str]:
     argv = [str(find_binary("llama-server")), "-m", str(model_path), "--host", "127.0.0.1", "--port", str(port),
             "-c", str(n_ctx), "-t", str(n_threads), "-tb", str(n_threads), "-np", "1", "-fa", "off",
             "-ngl", str(n_gpu_layers), "--no-webui"]
+    if rpc:
+        argv += ["--rpc", ",".join(rpc)]
     if spec_type:
         argv += ["--spec-type", spec_type]
     if draft_model is not None:
@@ -204,7 +206,7 @@ class LlamaServerPeer:
     """llama-server, plain or with one --spec-type, timed by its own ``timings``."""
 
     def __init__(self, spec: MethodSpec, model_path: Path, *, n_ctx: int, n_threads: int, n_gpu_layers: int,
-                 draft_model: Path | None) -> None:
+                 draft_model: Path | None, rpc: tuple[str, ...] = ()) -> None:
         self.spec = spec
         self.exact = False
         kind = spec.server_spec
@@ -216,7 +218,7 @@ class LlamaServerPeer:
         port = free_port()
         argv = llama_server_argv(model_path, port, spec_type=kind or None,
                                  draft_model=draft_model if kind == "draft-simple" else None,
-                                 n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers)
+                                 n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, rpc=rpc)
         self.server = ServerProcess(argv, port, self.drafter)
         self.model_bytes = model_path.stat().st_size + (draft_model.stat().st_size if kind == "draft-simple" and draft_model else 0)
 
@@ -255,7 +257,7 @@ class HttpPeer:
     ``eesd serve`` with one drafter, or llama-server, as a client sees them."""
 
     def __init__(self, spec: MethodSpec, model_path: Path, *, n_ctx: int, n_threads: int, n_gpu_layers: int,
-                 draft_model: Path | None, draft_max: int) -> None:
+                 draft_model: Path | None, draft_max: int, rpc: tuple[str, ...] = ()) -> None:
         self.spec = spec
         self.exact = False
         self.controller = "-"
@@ -264,7 +266,7 @@ class HttpPeer:
         if kind == "llama-server":
             argv = llama_server_argv(model_path, port, spec_type=spec.server_spec or None,
                                      draft_model=draft_model if spec.server_spec == "draft-simple" else None,
-                                     n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers)
+                                     n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, rpc=rpc)
             self.drafter = "llama-server" + (f" --spec-type {spec.server_spec}" if spec.server_spec else "")
         else:
             drafter = spec.server_spec or "auto"
@@ -273,6 +275,8 @@ class HttpPeer:
                     "--n-gpu-layers", str(n_gpu_layers), "--draft-max", str(draft_max), "--log-level", "warning"]
             if drafter in ("draft-model",) and draft_model is not None:
                 argv += ["--draft-model", str(draft_model)]
+            if rpc:
+                argv += ["--rpc", ",".join(rpc)]
             self.drafter = f"eesd serve --drafter {drafter}"
         self.server = ServerProcess(argv, port, self.drafter)
         self.model_bytes = model_path.stat().st_size

@@ -1,0 +1,284 @@
+"""This machine's cost profile for a model: what a verify batch of k tokens costs, measured once, kept.
+
+B(k) = t(k) / t(1): the time of one decode of k tokens (logits for every row, as a verify does)
+over one token's. It depends on the CPU (its vector units select the kernels), the threads, the
+llama.cpp build, the model file and where its layers run; the profile is kept under the cache's
+``costs/`` keyed by all of them, so a profile from another CPU, build or model is never used, and
+a damaged one is measured again (with a note).
+
+The engine reads it to decide, before it maps or builds anything, whether the exit head could
+ever pay on this machine (:func:`head_verdict`); ``eesd models costs`` shows and refreshes it, and
+the set-up command measures it for the demo model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import llama_cpp.llama_cpp as raw
+
+from eesd_local.atomic import write_text_atomic
+from eesd_local.llama.runtime import Context, ContextParams
+from eesd_local.paths import cache_dir
+
+FORMAT = 1
+KS = (1, 2, 3, 4, 5, 6, 7, 8, 9)  # a verify batch holds at most draft_max + 1 = 9 tokens by default
+PREFIX = 64  # tokens in the cache before each timed decode
+REPEATS = 5
+BUDGET_S = 8.0  # most seconds a measurement at load time takes (0.5B here: ~2 s, 1.5B: ~5 s)
+# flags that select ggml's CPU kernels (and so B(k)); other flags do not matter here
+_KERNEL_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+                 "avx_vnni", "amx_int8", "amx_bf16", "asimd", "sve", "i8mm")
+
+
+@dataclass
+class CostProfile:
+    t1_ms: float  # one token's decode
+    bk: dict[int, float]  # B(k) = t(k) / t(1)
+    fingerprint: dict[str, Any]
+    measured_at: float = 0.0
+    repeats: int = REPEATS
+    note: str = ""  # why it was measured now (missing, stale, damaged), or "" when read from the cache
+    plausible: bool = True  # False: measured under other work; not kept, not to decide from
+
+    def b(self, k: int) -> float:
+        """B(k); beyond the measured sizes, extrapolated linearly from the last two."""
+        if k in self.bk:
+            return self.bk[k]
+        ks = sorted(self.bk)
+        if k < ks[0]:
+            return 1.0
+        a, b = ks[-2], ks[-1]
+        return self.bk[b] + (k - b) * (self.bk[b] - self.bk[a]) / (b - a)
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("note")
+        d.pop("plausible")
+        d["bk"] = {str(k): v for k, v in self.bk.items()}
+        return {"format": FORMAT, **d}
+
+    def summary(self) -> str:
+        return f"t(1) {self.t1_ms:.1f} ms, " + ", ".join(f"B({k}) {v:.2f}" for k, v in sorted(self.bk.items()) if k > 1)
+
+
+def _cpu() -> dict[str, Any]:
+    name, flags = "", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("model name", "Model", "CPU part") and not name:
+                name = value.strip()
+            elif key in ("flags", "Features") and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    if not name:
+        name = platform.processor() or platform.machine()
+    return {"cpu": name, "flags": sorted(f for f in _KERNEL_FLAGS if f in flags), "cores": os.cpu_count()}
+
+
+def _build() -> str:
+    """The llama.cpp build: scripts/llama_build.py's record of it, else its CPU library's size and time."""
+    lib = Path(raw._base_path)
+    info = lib / "eesd-build.json"
+    if info.is_file():
+        try:
+            d = json.loads(info.read_text())
+            return f"{d.get('version')}:{d.get('key')}:{d.get('patch', '')[:16]}"
+        except (OSError, ValueError):
+            pass
+    sig = []
+    for p in sorted(lib.glob("libggml-cpu*")) + sorted(lib.glob("libllama*")):
+        st = p.stat()
+        sig.append(f"{p.name}:{st.st_size}:{st.st_mtime_ns}")
+    return ";".join(sig)
+
+
+def fingerprint(model_path: str | os.PathLike[str], *, n_threads: int, n_gpu_layers: int = 0,
+                rpc: Sequence[str] = ()) -> dict[str, Any]:
+    p = Path(model_path).resolve()
+    st = p.stat()
+    return {**_cpu(), "threads": int(n_threads), "build": _build(),
+            "model": {"name": p.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns},
+            "n_gpu_layers": int(n_gpu_layers), "rpc": list(rpc)}
+
+
+def profile_path(fp: dict[str, Any]) -> Path:
+    key = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir("costs") / f"{Path(fp['model']['name']).stem}-{key}.json"
+
+
+def cached(fp: dict[str, Any]) -> tuple[CostProfile | None, str]:
+    """The kept profile for ``fp``, or (None, why not: "" when none was kept)."""
+    path = profile_path(fp)
+    if not path.exists():
+        return None, ""
+    try:
+        d = json.loads(path.read_text())
+        if d.get("format") != FORMAT or not isinstance(d.get("fingerprint"), dict):
+            raise ValueError("not a cost profile of this version")
+        if d["fingerprint"] != fp:
+            return None, f"the kept cost profile {path.name} is for another machine or build: measured again"
+        bk = {int(k): float(v) for k, v in d["bk"].items()}
+        t1 = float(d["t1_ms"])
+        if not (t1 > 0 and bk.get(1) == 1.0 and all(math.isfinite(v) and v > 0 for v in bk.values()) and len(bk) >= 2
+                and plausible(bk)):
+            raise ValueError("figures out of range")
+        return CostProfile(t1, bk, fp, float(d.get("measured_at", 0.0)), int(d.get("repeats", REPEATS))), ""
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return None, f"the kept cost profile {path.name} is damaged ({exc}): measured again"
+
+
+Progress = Callable[[int, int], None]
+
+
+def plausible(bk: dict[int, float]) -> bool:
+    """Whether B(k) looks like one machine's batch costs rather than other work's noise: no batch
+    cheaper than 0.9 of one token, none much cheaper than the batch one token smaller. Measured
+    while the tests ran beside it on 2 cores, B(2) came out 0.20 and B(8) 2.8 > B(9) 2.0."""
+    ks = sorted(bk)
+    return all(bk[k] >= 0.9 for k in ks if k > 1) and all(bk[b] >= 0.85 * bk[a] for a, b in zip(ks, ks[1:]))
+
+
+def measure(model: Any, *, n_threads: int, ks: Sequence[int] = KS, repeats: int = REPEATS,
+            progress: Progress | None = None, budget_s: float = BUDGET_S) -> tuple[float, dict[int, float]]:
+    """(t(1) in ms, B(k)) of a loaded :class:`~eesd_local.llama.runtime.Model`: after a PREFIX-token
+    prefill, decode k tokens with logits for every row and trim back, ``repeats`` times per k
+    (rotating the order, after one warm-up round); medians. Past ``budget_s`` seconds (a slow
+    or busy machine) it stops after the first counted round."""
+    ks = sorted(set(ks) | {1})
+    ctx = Context(model, ContextParams(n_ctx=PREFIX + max(ks) + 16, n_batch=max(PREFIX, max(ks)), n_threads=n_threads))
+    try:
+        text = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n" * 8
+        fill = (model.tokenize(text) * 4)[: PREFIX + max(ks)]
+        ctx.decode(fill[:PREFIX])
+        times: dict[int, list[float]] = {k: [] for k in ks}
+        total, done = (repeats + 1) * len(ks), 0
+        t_start = time.perf_counter()
+        for rep in range(repeats + 1):  # round 0 warms up and is not counted
+            if rep >= 2 and time.perf_counter() - t_start > budget_s:
+                break
+            for k in ks[rep % len(ks):] + ks[: rep % len(ks)]:
+                t0 = time.perf_counter()
+                ctx.decode(fill[PREFIX:PREFIX + k], n_logits=k)
+                dt = time.perf_counter() - t0
+                ctx.trim(PREFIX)
+                if rep:
+                    times[k].append(dt)
+                done += 1
+                if progress:
+                    progress(done, total)
+    finally:
+        ctx.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return 1e3 * med[1], {k: round(med[k] / med[1], 4) for k in ks}
+
+
+def profile(model: Any, *, n_threads: int, n_gpu_layers: int = 0, rpc: Sequence[str] = (), refresh: bool = False,
+            progress: Progress | None = None) -> CostProfile:
+    """The kept profile of ``model`` here, measured now (and kept) where none matches."""
+    fp = fingerprint(model.path, n_threads=n_threads, n_gpu_layers=n_gpu_layers, rpc=rpc)
+    why = "refreshed"
+    if not refresh:
+        got, why = cached(fp)
+        if got is not None:
+            return got
+        why = why or "no cost profile was kept for this model on this machine: measured once (a few seconds)"
+    t1, bk = measure(model, n_threads=n_threads, progress=progress)
+    prof = CostProfile(t1, bk, fp, time.time(), REPEATS, why)
+    if not plausible(bk):
+        prof.note = ("this machine's batch costs could not be measured (other work ran beside: B(2) "
+                     f"{bk.get(2, 0.0):.2f}); nothing kept, `eesd models costs` measures them again")
+        prof.plausible = False
+        return prof
+    try:
+        write_text_atomic(profile_path(fp), json.dumps(prof.to_json(), indent=1) + "\n")
+    except OSError:
+        pass  # a read-only cache: measured again next time
+    return prof
+
+
+def keep(model_path: str | os.PathLike[str], t1_ms: float, bk: dict[int, float], *, n_threads: int, repeats: int,
+         n_gpu_layers: int = 0, rpc: Sequence[str] = ()) -> Path:
+    """Keep figures measured elsewhere (``eesd models costs``) as this machine's profile of the model."""
+    fp = fingerprint(model_path, n_threads=n_threads, n_gpu_layers=n_gpu_layers, rpc=rpc)
+    prof = CostProfile(float(t1_ms), {int(k): round(float(v), 4) for k, v in bk.items()}, fp, time.time(), repeats)
+    return write_text_atomic(profile_path(fp), json.dumps(prof.to_json(), indent=1) + "\n")
+
+
+# --- can a model drafter pay here? -----------------------------------------------------------
+
+
+def tokens_per_round(alpha: float, k: int) -> float:
+    """Expected tokens a round of k drafts emits when each draft is accepted with probability
+    ``alpha`` (independently, until the first rejection), the bonus or correction included."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def best_gain(prof: CostProfile, alpha: float, draft_cost: float, k_max: int) -> tuple[float, int]:
+    """(speed over plain decoding, k) of the best fixed draft length: tokens per round over the
+    round's cost in plain tokens (k drafts at ``draft_cost`` each, then a verify of k + 1 rows)."""
+    best = (1.0, 0)
+    for k in range(1, k_max + 1):
+        g = tokens_per_round(alpha, k) / (k * draft_cost + prof.b(k + 1))
+        if g > best[0]:
+            best = (g, k)
+    return best
+
+
+def needed_acceptance(prof: CostProfile, draft_cost: float, k_max: int, margin: float = 0.0) -> float:
+    """The least per-token acceptance at which some draft length beats plain decoding by ``margin``
+    (above 1: none can, even if every draft were accepted)."""
+    if best_gain(prof, 1.0, draft_cost, k_max)[0] <= 1.0 + margin:
+        # even every draft accepted loses: what one draft a round would need, (1 + a) / (c + B(2)) > 1 + margin
+        return max((1.0 + margin) * (draft_cost + prof.b(2)) - 1.0, 1.0)
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if best_gain(prof, mid, draft_cost, k_max)[0] > 1.0 + margin:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+@dataclass
+class Verdict:
+    pays: bool
+    needed: float  # the acceptance it would need
+    agreement: float  # what the head reached against the target when it was trained
+    draft_cost: float  # a draft token's cost in plain tokens (a lower bound: the trunk's share)
+    note: str
+
+
+def head_verdict(prof: CostProfile, *, agreement: float, exit_layer: int, n_layer: int, k_max: int) -> Verdict:
+    """Whether an exit head could ever beat plain decoding here. Deliberately generous to the head:
+    its draft token is costed at the trunk's share of the layers (no output layer), and its
+    acceptance taken as its top-1 agreement with the target at training, so "off" means it cannot
+    pay; "on" means it may, and the controller then decides round by round."""
+    cost = (exit_layer + 1) / max(1, n_layer)
+    if not prof.plausible:
+        return Verdict(False, float("nan"), agreement, cost, f"exit head: off for now: {prof.note}")
+    need = needed_acceptance(prof, cost, k_max)
+    pays = agreement > need
+    b2 = f"B(2)={prof.b(2):.2f}"
+    if pays:
+        note = f"exit head: on ({b2}, needs acceptance > {need:.2f}, its agreement {agreement:.2f})"
+    else:
+        note = f"exit head: off, cannot pay on this machine: {b2}, needs acceptance > {need:.2f} (its agreement {agreement:.2f})"
+    return Verdict(pays, need, agreement, cost, note)

@@ -1,0 +1,180 @@
+"""The cost profile (issue 31): kept per CPU, build, model and placement; never used for another;
+re-measured when damaged; and the exit head's verdict from it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import eesd_local
+from eesd_local.llama import costs
+from eesd_local.spec.drafters import AutoDrafter, LookupDrafter
+from eesd_local.tools import heads
+
+
+class FakeModel:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+
+@pytest.fixture
+def fake(tmp_path, isolated_home, monkeypatch):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(100))
+    calls = []
+
+    def measure(model, *, n_threads, ks=costs.KS, repeats=costs.REPEATS, progress=None):
+        calls.append(n_threads)
+        return 20.0, {k: 1.0 + 0.8 * (k - 1) for k in ks}
+
+    monkeypatch.setattr(costs, "measure", measure)
+    return FakeModel(gguf), calls
+
+
+def test_measured_once_then_kept(fake):
+    model, calls = fake
+    first = costs.profile(model, n_threads=2)
+    assert calls == [2] and "measured once" in first.note
+    again = costs.profile(model, n_threads=2)
+    assert calls == [2] and again.note == "" and again.bk == first.bk and again.t1_ms == 20.0
+    costs.profile(model, n_threads=2, refresh=True)
+    assert calls == [2, 2]
+
+
+def test_another_placement_or_model_is_never_used(fake):
+    model, calls = fake
+    costs.profile(model, n_threads=2)
+    costs.profile(model, n_threads=1)  # other threads: other figures
+    costs.profile(model, n_threads=2, rpc=("127.0.0.1:50052",), n_gpu_layers=-1)
+    assert calls == [2, 1, 2]
+    model.path.write_bytes(b"GGUF" + bytes(200))  # another file under the same name
+    costs.profile(model, n_threads=2)
+    assert calls == [2, 1, 2, 2]
+
+
+def test_a_profile_of_another_cpu_is_not_used(fake):
+    model, calls = fake
+    fp = costs.fingerprint(model.path, n_threads=2)
+    costs.profile(model, n_threads=2)
+    path = costs.profile_path(fp)
+    d = json.loads(path.read_text())
+    d["fingerprint"]["cpu"] = "Some Other CPU"
+    path.write_text(json.dumps(d))
+    prof = costs.profile(model, n_threads=2)
+    assert calls == [2, 2] and "another machine" in prof.note
+
+
+@pytest.mark.parametrize("damage", ["", "{", '{"format": 1}', "null", "[]"])
+def test_a_damaged_profile_is_measured_again(fake, damage):
+    model, calls = fake
+    costs.profile(model, n_threads=2)
+    costs.profile_path(costs.fingerprint(model.path, n_threads=2)).write_text(damage)
+    prof = costs.profile(model, n_threads=2)
+    assert calls == [2, 2] and "damaged" in prof.note
+    assert costs.profile(model, n_threads=2).note == ""  # and kept again
+
+
+def test_out_of_range_figures_are_damage(fake):
+    model, calls = fake
+    costs.profile(model, n_threads=2)
+    path = costs.profile_path(costs.fingerprint(model.path, n_threads=2))
+    d = json.loads(path.read_text())
+    d["bk"]["2"] = -1.0
+    path.write_text(json.dumps(d))
+    assert "damaged" in costs.profile(model, n_threads=2).note
+
+
+def _prof(b2: float, slope: float) -> costs.CostProfile:
+    return costs.CostProfile(20.0, {k: (1.0 if k == 1 else b2 + slope * (k - 2)) for k in costs.KS}, {})
+
+
+def test_verdict_on_a_flat_batch_cost_machine():
+    """B(k) nearly flat (a GPU, or a CPU that batches well): a head that agrees 0.6 can pay."""
+    v = costs.head_verdict(_prof(1.05, 0.05), agreement=0.62, exit_layer=5, n_layer=24, k_max=8)
+    assert v.pays and v.needed < 0.62 and v.note.startswith("exit head: on")
+
+
+def test_verdict_where_two_tokens_cost_nearly_two():
+    """B(2) = 1.9 and B(k) growing by 0.5 a token (this kind of 2-core CPU with batch-invariant
+    kernels): only long drafts accepted almost always could pay; a head agreeing 0.62 cannot."""
+    v = costs.head_verdict(_prof(1.9, 0.5), agreement=0.62, exit_layer=5, n_layer=24, k_max=8)
+    assert not v.pays and 0.9 < v.needed < 1.0
+    assert v.note.startswith(f"exit head: off, cannot pay on this machine: B(2)=1.90, needs acceptance > {v.needed:.2f}")
+    assert costs.head_verdict(_prof(1.9, 0.5), agreement=0.99, exit_layer=5, n_layer=24, k_max=8).pays
+
+
+def test_verdict_when_nothing_can_pay():
+    """Every batch as dear as its tokens decoded one by one: no acceptance is enough."""
+    prof = costs.CostProfile(20.0, {k: float(k) for k in costs.KS}, {})
+    v = costs.head_verdict(prof, agreement=1.0, exit_layer=5, n_layer=24, k_max=8)
+    assert not v.pays and v.needed >= 1.0 and "needs acceptance > 1.25" in v.note
+
+
+def test_needed_acceptance_is_the_break_even():
+    prof = _prof(1.2, 0.2)
+    need = costs.needed_acceptance(prof, 0.25, 8)
+    assert 0.0 < need < 1.0
+    assert costs.best_gain(prof, need + 1e-3, 0.25, 8)[0] > 1.0
+    assert costs.best_gain(prof, need - 1e-3, 0.25, 8)[0] <= 1.0
+
+
+def test_tokens_per_round():
+    assert costs.tokens_per_round(0.0, 4) == 1.0
+    assert costs.tokens_per_round(1.0, 4) == 5.0
+    assert costs.tokens_per_round(0.5, 1) == pytest.approx(1.5)
+
+
+def test_extrapolated_beyond_measured():
+    prof = costs.CostProfile(10.0, {1: 1.0, 2: 1.5, 3: 2.0}, {})
+    assert prof.b(5) == pytest.approx(3.0)
+    assert prof.b(2) == 1.5
+
+
+# --- auto's exit head, on the demo model ---------------------------------------------------------
+
+
+@pytest.mark.model
+def test_auto_leaves_a_head_that_cannot_pay_unbuilt(monkeypatch):
+    monkeypatch.setattr(costs, "cached", lambda fp: (_prof(1.9, 0.5), ""))
+    monkeypatch.setattr(costs, "profile", lambda model, **kw: _prof(1.9, 0.5))
+
+    def no_build(*a, **kw):
+        raise AssertionError("the exit head's draft was built although it cannot pay")
+
+    monkeypatch.setattr(heads, "build_draft", no_build)
+    with eesd_local.load("qwen2.5-coder-0.5b-instruct", drafter="auto") as eng:
+        assert type(eng.drafter) is LookupDrafter and eng.trunk is None
+        assert "exit head: off, cannot pay on this machine: B(2)=1.90, needs acceptance > 0.9" in eng.drafter_note
+        fin = eng.run("def add(a, b):\n    return a + b\n\ndef add(a, b):\n", max_tokens=16)
+        assert fin.stats.n_generated == 16
+    with eesd_local.load("qwen2.5-coder-0.5b-instruct", drafter="eesd") as eng:  # the user asked: on
+        assert eng.trunk is not None
+
+
+@pytest.mark.model
+def test_auto_runs_a_head_that_can_pay_on_the_shared_trunk(monkeypatch):
+    monkeypatch.setattr(costs, "cached", lambda fp: (_prof(1.05, 0.05), ""))
+    monkeypatch.setattr(costs, "profile", lambda model, **kw: _prof(1.05, 0.05))
+    with eesd_local.load("qwen2.5-coder-0.5b-instruct", drafter="auto") as eng:
+        assert isinstance(eng.drafter, AutoDrafter) and eng.drafter.n_sources == 2
+        assert eng.trunk is not None and "shared trunk" in eng.drafter_note
+
+
+def test_a_disturbed_measurement_is_not_kept_nor_decided_from(fake, monkeypatch):
+    model, calls = fake
+    monkeypatch.setattr(costs, "measure", lambda model, **kw: (calls.append(1) or 634.0, {1: 1.0, 2: 0.2, 3: 0.16, 8: 2.8, 9: 2.0}))
+    prof = costs.profile(model, n_threads=2)
+    assert not prof.plausible and "could not be measured" in prof.note
+    assert not costs.profile_path(costs.fingerprint(model.path, n_threads=2)).exists()
+    v = costs.head_verdict(prof, agreement=0.9, exit_layer=5, n_layer=24, k_max=8)
+    assert not v.pays and v.note.startswith("exit head: off for now")
+    costs.profile(model, n_threads=2)
+    assert len(calls) == 2  # measured again next time
+
+
+@pytest.mark.parametrize("bk, ok", [({1: 1.0, 2: 1.8, 3: 2.3}, True), ({1: 1.0, 2: 1.02, 3: 1.05}, True),
+                                     ({1: 1.0, 2: 0.5}, False), ({1: 1.0, 2: 3.0, 3: 2.0}, False)])
+def test_plausible(bk, ok):
+    assert costs.plausible(bk) is ok
