@@ -439,8 +439,9 @@ def _nbytes(p: Planned) -> tuple[tuple[int, ...], np.dtype, int]:
     return shape, np.dtype(np.uint8), math.prod(shape)
 
 
-def write_gguf(path: Path, writer: gguf.GGUFWriter, plan: list[Planned], progress: Progress | None) -> None:
-    """Stream the planned tensors into ``path`` one at a time (the metadata is already in ``writer``)."""
+def write_planned(path: Path, writer: gguf.GGUFWriter, plan: list[Planned], progress: Progress | None) -> None:
+    """Stream the planned tensors into ``path`` one at a time with gguf-py's GGUFWriter (the metadata
+    is already in ``writer``), so a whole model is never held in memory."""
     for p in plan:
         shape, dtype, nbytes = _nbytes(p)
         raw = None if p.qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) else p.qtype
@@ -585,7 +586,7 @@ def convert(
     if rope_freqs is not None:
         plan.insert(1, Planned("rope_freqs.weight", gguf.GGMLQuantizationType.F32, rope_freqs.shape, rope_freqs))
     with _output(out_path, force) as tmp:
-        write_gguf(tmp, writer, plan, progress)
+        write_planned(tmp, writer, plan, progress)
 
     if head_src is not None:
         write_head(head_path, base_path=out_path, exit_layer=head_src.exit_layer, tensors=head_arrays(head_src, config, arch),
