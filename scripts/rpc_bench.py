@@ -83,7 +83,10 @@ async def _relay(listen_port: int, target_port: int, delay_ms: float) -> None:
 
 def relay_main(listen_port: int, target_port: int, delay_ms: float) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    asyncio.run(_relay(listen_port, target_port, delay_ms))
+    try:
+        asyncio.run(_relay(listen_port, target_port, delay_ms))
+    except KeyboardInterrupt:
+        pass  # stopped by the bench
 
 
 # --- the runs -----------------------------------------------------------------------------------
@@ -132,7 +135,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     server = subprocess.Popen([*EESD, "rpc-server", "--port", str(port), "--threads", str(args.threads)],
-                              stderr=subprocess.DEVNULL)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # it logs every connection
     rows = []
     try:
         wait_listening(port, server, "eesd rpc-server")

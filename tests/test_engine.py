@@ -10,6 +10,7 @@ import pytest
 
 import eesd_local
 from eesd_local.errors import EesdError
+from eesd_local.llama import costs
 from eesd_local.spec.events import FinishEvent, RoundEvent, TokenEvent
 from eesd_local.tools import heads
 
@@ -116,7 +117,12 @@ def test_openai_shaped_api(plain):
         assert "\n\n" not in comp["choices"][0]["text"]
 
 
-def test_auto_tells_which_drafter_runs(qwen05_path):
+def test_auto_tells_which_drafter_runs(qwen05_path, monkeypatch):
+    # a machine where a batch costs about one token (a GPU's B(k)): the exit head could pay, so auto holds
+    # it (where it cannot, auto is lookup itself: tests/test_costs.py)
+    flat = costs.CostProfile(20.0, {k: 1.0 + 0.02 * (k - 1) for k in costs.KS}, {})
+    monkeypatch.setattr(costs, "cached", lambda fp: (flat, ""))
+    monkeypatch.setattr(costs, "profile", lambda model, **kw: flat)
     with eesd_local.load(QWEN05, n_ctx=512) as eng:
         head = heads.find_head(qwen05_path)
         assert eng.drafter.name == ("auto(lookup+eesd)" if head else "auto(lookup)")

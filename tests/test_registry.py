@@ -6,6 +6,7 @@ import hashlib
 import http.server
 import io
 import json
+import os
 import struct
 import threading
 import zipfile
@@ -14,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from eesd_local.errors import EesdError
+from eesd_local.gguf import check
+from eesd_local.gguf.tiny import write_tiny_gguf
 from eesd_local.llama import catalog
 from eesd_local.tools import registry
 
@@ -188,3 +191,25 @@ def test_shipped_registry_lists_demo_models():
     assert models["gemma-3-270m"].sha256.startswith("a5fd3b62")
     for spec in models.values():
         assert sum(p.size for p in spec.parts) == spec.size
+
+
+def test_a_checked_header_is_remembered_by_its_stamp(tmp_path, isolated_home, monkeypatch):
+    """check_gguf parses a model's header once per file version (kept under the cache's checked/):
+    the next process skips the 0.26 s vocabulary read; a file written to since is parsed again."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    check.check_gguf(path)
+    assert len(list((isolated_home / "checked").iterdir())) == 1
+    check._check_header.cache_clear()  # a new process
+
+    def parse(*a, **kw):
+        raise AssertionError("parsed again")
+
+    monkeypatch.setattr(check, "read_header", parse)  # the reader as gguf/check.py calls it
+    check.check_gguf(path)  # the stamp matches: not parsed
+    check._check_header.cache_clear()
+    data = path.read_bytes()
+    path.write_bytes(data)  # written to: ctime moves, even with the same bytes and mtime
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns))
+    with pytest.raises(AssertionError, match="parsed again"):
+        check.check_gguf(path)

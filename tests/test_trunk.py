@@ -17,7 +17,7 @@ import eesd_local
 from eesd_local.errors import EesdError
 from eesd_local.gguf import headfile, writer
 from eesd_local.gguf import reader as ggufread
-from eesd_local.llama import trunk
+from eesd_local.llama import costs, trunk
 from eesd_local.llama.runtime import Context, ContextParams, Model
 from eesd_local.paths import models_dir
 from eesd_local.spec.events import TokenEvent
@@ -132,7 +132,7 @@ def test_draft_rows_cover_only_v_prime_and_sampling_stays_exact(pair):
     split.clear()
 
 
-def test_the_engine_runs_eesd_on_the_split_target():
+def test_the_engine_runs_eesd_on_the_split_target(monkeypatch):
     with eesd_local.load(QWEN05, drafter="eesd", n_ctx=1024, controller="fixed:3") as eng:
         assert isinstance(eng.ctx, trunk.SplitTarget) and eng.trunk is eng.ctx.trunk
         assert eng.model.vocab_only  # no full-model weights or context: the trunk and the tail are the target
@@ -147,9 +147,12 @@ def test_the_engine_runs_eesd_on_the_split_target():
         assert 0 < len(toks) <= 12
     with eesd_local.load(QWEN05, drafter="eesd", n_ctx=1024, shared_trunk=False) as eng:
         assert not isinstance(eng.ctx, trunk.SplitTarget) and eng.trunk is None
-    # auto keeps its model drafter lazy by default (a split's plain rounds cost more on a CPU); asked, it splits
+    # auto holds no exit head where it cannot pay (a CPU's steep B(k)): no split, no draft; asked, it splits
+    steep = costs.CostProfile(20.0, {k: float(k) for k in costs.KS}, {})
+    monkeypatch.setattr(costs, "cached", lambda fp: (steep, ""))
+    monkeypatch.setattr(costs, "profile", lambda model, **kw: steep)
     with eesd_local.load(QWEN05, drafter="auto", n_ctx=1024) as eng:
-        assert eng.trunk is None and not eng.model.vocab_only
+        assert eng.trunk is None and not eng.model.vocab_only and eng.drafter.name == "lookup"
     with eesd_local.load(QWEN05, drafter="auto", n_ctx=1024, shared_trunk=True) as eng:
         assert eng.trunk is not None and eng.drafter.model.ctx is eng.trunk
 

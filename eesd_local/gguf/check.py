@@ -3,11 +3,14 @@ files, so every model and head path is checked here first (magic, then the whole
 
 from __future__ import annotations
 
+import hashlib
+import os
 from functools import cache
 from pathlib import Path
 
 from eesd_local.errors import EesdError
 from eesd_local.gguf.reader import check_for_llama, read_header
+from eesd_local.paths import cache_dir
 
 GGUF_MAGIC = b"GGUF"
 
@@ -41,7 +44,28 @@ def check_gguf(path: Path, *, what: str = "model") -> Path:
     return path
 
 
+HEADER_CHECK = 1  # bump when _check_header checks more: every file is then checked again
+
+
 @cache
 def _check_header(path: str, size: int, mtime_ns: int) -> None:
-    """Parse the header once per file version (size and mtime in the key); raises EesdError."""
+    """Parse the header once per file version; raises EesdError.
+
+    A file that passed is remembered under the cache's ``checked/`` by its stamp (size, mtime,
+    ctime, inode, device): any write through the file system moves its ctime, so a matching stamp
+    means the bytes that passed. Reading the 0.5B model's 151,936 vocabulary strings took 0.26 s
+    of each load, a sixth of the time to its first token."""
+    st = os.stat(path)
+    key = f"{HEADER_CHECK}|{path}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}|{st.st_dev}"
+    try:
+        stamp: Path | None = cache_dir("checked") / hashlib.sha256(key.encode()).hexdigest()[:32]
+    except EesdError:
+        stamp = None  # a read-only cache: checked every time
+    if stamp is not None and stamp.is_file():
+        return
     check_for_llama(read_header(Path(path), keep_strings=("tokenizer.ggml.tokens",)))
+    if stamp is not None:
+        try:
+            stamp.write_text(path + "\n")
+        except OSError:
+            pass
