@@ -41,8 +41,8 @@ def _value_type(value: Any) -> gguf.GGUFValueType:
 def byte_tensor(dims: tuple[int, ...], data: Any) -> np.ndarray:
     """A tensor's bytes as the uint8 array GGUFWriter takes for a raw type: numpy order, the last
     axis in bytes (GGUFWriter turns it back into elements by the type's block size)."""
-    buf = np.frombuffer(memoryview(np.ascontiguousarray(data) if isinstance(data, np.ndarray) else data).cast("B"),
-                        dtype=np.uint8)
+    contiguous = np.ascontiguousarray(data) if isinstance(data, np.ndarray) else data
+    buf = np.frombuffer(memoryview(contiguous).cast("B"), dtype=np.uint8)  # type: ignore[arg-type]  # an ndarray is a buffer
     if len(dims) == 1:
         return buf
     rows = int(np.prod(dims[1:]))
@@ -69,6 +69,7 @@ def write_from(path: Path, base: GGUFHeader, *, tensors: list[Tensor], set_kv: d
             if etype == gguf.GGUFValueType.STRING and isinstance(value, int):
                 raise ValueError(f"{base.path}: read {key} with its strings kept to copy it")
             value = value.tolist() if isinstance(value, np.ndarray) else value
+            assert etype is not None  # an array's element type is read with it
             w.add_key_value(key, value, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType(etype))
         else:
             w.add_key_value(key, value, gguf.GGUFValueType(vtype))

@@ -74,7 +74,7 @@ class CostProfile:
 
 
 def _cpu() -> dict[str, Any]:
-    name, flags = "", set()
+    name, flags = "", set[str]()
     try:
         for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
             key, _, value = line.partition(":")

@@ -69,10 +69,10 @@ _CHECKED = ("_load_index", "_save_index", "_load_data", "_save_data", "_data_pat
 def _cache_class() -> type | None:
     """A FunctionCache for the kernels: stamped locators first, checked cache files; None where
     Numba's caching internals are not the ones this was written against."""
-    bases = [getattr(caching, name, None) for name in _LOCATORS]
-    impl = getattr(caching, "CompileResultCacheImpl", None)
-    cache = getattr(caching, "FunctionCache", None)
-    files = getattr(caching, "IndexDataCacheFile", None)
+    bases: list[Any] = [getattr(caching, name, None) for name in _LOCATORS]
+    impl: Any = getattr(caching, "CompileResultCacheImpl", None)
+    cache: Any = getattr(caching, "FunctionCache", None)
+    files: Any = getattr(caching, "IndexDataCacheFile", None)
     if not all(isinstance(b, type) for b in bases) or not all(isinstance(c, type) for c in (impl, cache, files)):
         return None
     if not isinstance(getattr(impl, "_locator_classes", None), list) or not all(callable(getattr(files, n, None)) for n in _CHECKED):
