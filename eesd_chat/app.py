@@ -106,6 +106,14 @@ class ChatApp(App[None]):
         yield Static("", id="too-small")
         yield Footer()
 
+    interrupted = False  # a SIGINT came while the screen was still being built (main() sets it)
+    screen_ready = False
+
+    def on_ready(self) -> None:
+        self.screen_ready = True
+        if self.interrupted:  # now the screen is whole, end as a Ctrl-C would have
+            self.exit(return_code=130)
+
     def on_mount(self) -> None:
         self.query_one("#panel").border_title = "speculation"
         self._update_header()
@@ -433,14 +441,35 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     options = ChatOptions(model_name=args.model if "/" not in args.model else Path(args.model).name, system=args.system,
                           temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
+    app = ChatApp(engine, options)
+
+    def sigint(signum: int, frame: object) -> None:
+        # in a terminal Ctrl-C is a key; a SIGINT (kill -INT) ends the app the way its own quit does, so
+        # that it never lands inside Textual mounting its widgets (a traceback from the half-built screen)
+        if not app.is_running:
+            raise KeyboardInterrupt
+        if app.screen_ready:
+            app.exit(return_code=130)
+        else:
+            app.interrupted = True  # Textual is mounting the screen: end once it is ready (on_ready)
+
     try:
-        ChatApp(engine, options).run()  # in a terminal Ctrl-C is a key; a SIGINT (kill -INT) still lands here
+        old = signal.signal(signal.SIGINT, sigint)
+    except ValueError:  # not the main thread
+        old = None
+    try:
+        app.run()
+        if app.return_code == 130:
+            raise KeyboardInterrupt
     except KeyboardInterrupt:
         with contextlib.suppress(ValueError):
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         print("\neesd-chat: interrupted", file=sys.stderr)
         return 130
     finally:
+        if old is not None:
+            with contextlib.suppress(ValueError):
+                signal.signal(signal.SIGINT, old if signal.getsignal(signal.SIGINT) is sigint else signal.SIG_IGN)
         engine.close()
     return 0
 

@@ -38,9 +38,16 @@ def _redeliver_interrupts(hook_args: Any) -> None:
     if hook_args.exc_type is not None and issubclass(hook_args.exc_type, KeyboardInterrupt):
         # a real signal, not _thread.interrupt_main: that one does not wake a main thread in a blocking call
         main = threading.main_thread().ident
-        timer = threading.Timer(REDELIVER_AFTER_S, signal.pthread_kill, (main, signal.SIGINT))
-        timer.daemon = True
-        timer.start()
+        for _ in range(3):
+            try:
+                timer = threading.Timer(REDELIVER_AFTER_S, signal.pthread_kill, (main, signal.SIGINT))
+                timer.daemon = True
+                timer.start()
+                return
+            except KeyboardInterrupt:
+                # a second Ctrl-C landed in this hook (waiting for the timer's thread to start): it would be
+                # printed as an exception in the hook; schedule again (a redelivery too many is harmless)
+                continue
         return
     sys.__unraisablehook__(hook_args)
 
