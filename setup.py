@@ -1,7 +1,7 @@
 """Builds eesd_local._native (native/) against the installed llama-cpp-python.
 
 Everything else about the package is in pyproject.toml, but the package list: every package
-under eesd_local/ and eesd_chat/ is found here (find_packages), plus the shipped models/ data
+under eesd_local/ is found here (find_packages; eesd_chat lives in tui/), plus the shipped models/ data
 as eesd_local.models (pyproject's package-dir). The extension includes the
 llama.h that llama-cpp-python installs (<site-packages>/include) and links its
 libllama (<site-packages>/llama_cpp/lib), with an RPATH to that directory so that
@@ -117,6 +117,6 @@ native = Pybind11Extension(
     optional=True,
 )
 
-PACKAGES = find_packages(include=["eesd_local", "eesd_local.*", "eesd_chat", "eesd_chat.*"]) + ["eesd_local.models"]
+PACKAGES = find_packages(include=["eesd_local", "eesd_local.*"]) + ["eesd_chat", "eesd_local.models"]
 
 setup(packages=PACKAGES, ext_modules=[native], cmdclass={"build_ext": BuildNative})

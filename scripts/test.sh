@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 [ -x .venv/bin/lint-imports ] || { echo "test.sh: .venv lacks the dev tools: run bash scripts/setup.sh" >&2; exit 2; }
 step() { printf '\n==> %s\n' "$*"; }
 step "ruff"
-.venv/bin/ruff check eesd_local eesd_chat tests scripts setup.py
+.venv/bin/ruff check eesd_local tui tests scripts setup.py
 step "import contracts (lint-imports)"
 .venv/bin/lint-imports
 step "mypy"
