@@ -67,6 +67,7 @@ _U32 = struct.Struct("<I")
 MAX_HEADER = 1 << 20  # a larger header length is damage, not a header
 DEFAULT_MAX_MB = 10.0  # per model: the two demo models' corpora stay under ~20 MB in git together
 BYTES_PER_TOKEN_GUESS = 1.5  # until the corpus has its own figure (measured ~1.2-1.4: models/README.md)
+RATE_WARMUP_S = 60.0  # seconds of generation before the measured rate may stop new prompts for --minutes
 SHARD_OVERHEAD = 600  # bytes of a shard besides its tokens: header, xz container, a few answers' metadata
 XZ_PRESET = 9 | lzma.PRESET_EXTREME  # smallest; shards are written every few minutes, so the cost does not show
 
@@ -581,7 +582,9 @@ def grow(
                 projected = disk + overhead + (buffered + in_flight) * bytes_per_token
                 if projected >= max_bytes:
                     report.stop = report.stop or "max-mb"
-                elif now + answer_s >= deadline:
+                elif now + answer_s >= deadline and now - (t_gen or now) >= RATE_WARMUP_S:
+                    # (the rate of the first seconds, prompts still prefilling, would project an answer
+                    # to take many minutes and stop a long run after its first batch)
                     report.stop = report.stop or "minutes"
                 for s in range(cfg.n_parallel):  # start new prompts while no limit is near
                     while slots[s] is None and not report.stop:
