@@ -46,7 +46,8 @@ def digest_path(path: Path) -> Path:
     return path.with_name(path.name + SUFFIX)
 
 
-def _stamp(st: os.stat_result) -> list[int]:
+def stamp(st: os.stat_result) -> list[int]:
+    """What any write through the file system changes: size, mtime, ctime (no call sets it back), inode, device."""
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
 
 
@@ -72,7 +73,7 @@ def _measure(path: Path) -> tuple[os.stat_result, dict[str, Any]]:
 
 def _write(path: Path, info: dict[str, Any], st: os.stat_result) -> None:
     try:
-        write_text_atomic(digest_path(path), json.dumps(dict(info, stamp=_stamp(st))) + "\n")
+        write_text_atomic(digest_path(path), json.dumps(dict(info, stamp=stamp(st))) + "\n")
     except (OSError, EesdError):
         pass  # no digest: the next use rebuilds the file, which is slower but never wrong
 
@@ -91,7 +92,7 @@ def record(path: str | os.PathLike[str]) -> None:
         st = os.stat(path)
     except OSError:
         return
-    if _stamp(st) == _stamp(st0):  # nobody replaced or wrote the file while it was hashed
+    if stamp(st) == stamp(st0):  # nobody replaced or wrote the file while it was hashed
         _write(path, info, st)
 
 
@@ -123,7 +124,7 @@ def intact(path: str | os.PathLike[str]) -> bool:
                 return False
             if (info.get("stride"), info.get("sample")) != (STRIDE, SAMPLE) or _samples(fh, st.st_size) != info.get("samples_sha256"):
                 return False
-            if info.get("stamp") == _stamp(st):
+            if info.get("stamp") == stamp(st):
                 return True
             if _full(fh) != info.get("sha256"):
                 return False

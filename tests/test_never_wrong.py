@@ -321,7 +321,7 @@ def test_a_digest_catches_any_change(tmp_path):
     os.utime(path)  # touched, same bytes: checked in full once, then by its new stamp
     assert cachefile.intact(path)
     stamp = json.loads(cachefile.digest_path(path).read_text())["stamp"]
-    assert stamp == cachefile._stamp(path.stat())
+    assert stamp == cachefile.stamp(path.stat())
     with open(path, "r+b") as fh:  # one byte, between two samples: the stamp moved, the full hash sees it
         fh.seek(cachefile.STRIDE + cachefile.SAMPLE + 10)
         fh.write(bytes([data[cachefile.STRIDE + cachefile.SAMPLE + 10] ^ 1]))
@@ -347,7 +347,7 @@ def test_the_samples_catch_damage_the_stamp_does_not_show(tmp_path):
         fh.seek(2 * cachefile.STRIDE + 7)
         fh.write(os.urandom(cachefile.STRIDE))
     info = json.loads(cachefile.digest_path(path).read_text())
-    info["stamp"] = cachefile._stamp(path.stat())  # as if the stamp had not moved
+    info["stamp"] = cachefile.stamp(path.stat())  # as if the stamp had not moved
     cachefile.digest_path(path).write_text(json.dumps(info))
     assert not cachefile.intact(path)
 

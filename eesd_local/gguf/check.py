@@ -8,6 +8,7 @@ import os
 from functools import cache
 from pathlib import Path
 
+from eesd_local import cachefile
 from eesd_local.errors import EesdError
 from eesd_local.gguf.reader import check_for_llama, read_header
 from eesd_local.paths import cache_dir
@@ -55,8 +56,7 @@ def _check_header(path: str, size: int, mtime_ns: int) -> None:
     ctime, inode, device): any write through the file system moves its ctime, so a matching stamp
     means the bytes that passed. Reading the 0.5B model's 151,936 vocabulary strings took 0.26 s
     of each load, a sixth of the time to its first token."""
-    st = os.stat(path)
-    key = f"{HEADER_CHECK}|{path}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}|{st.st_dev}"
+    key = f"{HEADER_CHECK}|{path}|{cachefile.stamp(os.stat(path))}"
     try:
         stamp: Path | None = cache_dir("checked") / hashlib.sha256(key.encode()).hexdigest()[:32]
     except EesdError:

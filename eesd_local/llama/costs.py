@@ -21,7 +21,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,6 +145,18 @@ def cached(fp: dict[str, Any]) -> tuple[CostProfile | None, str]:
 Progress = Callable[[int, int], None]
 
 
+def time_batches(ctx: Any, fill: Sequence[int], prefix: int, ks: Sequence[int], rep: int) -> Iterator[tuple[int, float]]:
+    """One round of a B(k) measurement on a context holding ``fill[:prefix]``: for each k, in an order
+    rotated by ``rep`` (so no size always follows the same one), decode the next k tokens with logits
+    for every row, as a verify does, and trim back to the prefix; yields (k, seconds)."""
+    for k in list(ks[rep % len(ks):]) + list(ks[: rep % len(ks)]):
+        t0 = time.perf_counter()
+        ctx.decode(fill[prefix:prefix + k], n_logits=k)
+        dt = time.perf_counter() - t0
+        ctx.trim(prefix)
+        yield k, dt
+
+
 def plausible(bk: dict[int, float]) -> bool:
     """Whether B(k) looks like one machine's batch costs rather than other work's noise: no batch
     cheaper than 0.9 of one token, none much cheaper than the batch one token smaller. Measured
@@ -171,11 +183,7 @@ def measure(model: Any, *, n_threads: int, ks: Sequence[int] = KS, repeats: int 
         for rep in range(repeats + 1):  # round 0 warms up and is not counted
             if rep >= 2 and time.perf_counter() - t_start > budget_s:
                 break
-            for k in ks[rep % len(ks):] + ks[: rep % len(ks)]:
-                t0 = time.perf_counter()
-                ctx.decode(fill[PREFIX:PREFIX + k], n_logits=k)
-                dt = time.perf_counter() - t0
-                ctx.trim(PREFIX)
+            for k, dt in time_batches(ctx, fill, PREFIX, ks, rep):
                 if rep:
                     times[k].append(dt)
                 done += 1

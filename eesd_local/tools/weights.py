@@ -19,7 +19,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,7 @@ from eesd_local.errors import EesdError
 from eesd_local.gguf.check import check_gguf
 from eesd_local.gguf.reader import read_header
 from eesd_local.llama.catalog import check_variant
+from eesd_local.llama.costs import time_batches
 from eesd_local.llama.ggmlapi import init_backend
 from eesd_local.llama.runtime import Context, ContextParams, Model, default_threads
 from eesd_local.params import check_int
@@ -104,17 +104,11 @@ def batch_costs(paths: Sequence[str | os.PathLike[str]], ks: Sequence[int] = tup
         total = (repeats + 1) * len(opened) * len(ks)
         done = 0
         for rep in range(repeats + 1):  # round 0 warms up and is not counted
-            order = ks[rep % len(ks):] + ks[:rep % len(ks)]  # rotate, so no size always follows the same one
             for (model, ctx), fill, t in zip(opened, fills, times, strict=True):
                 if ctx.n_past != prefix:
                     ctx.clear()
                     ctx.decode(fill[:prefix])
-                for k in order:
-                    batch = fill[prefix:prefix + k]
-                    t0 = time.perf_counter()
-                    ctx.decode(batch, n_logits=k)
-                    dt = time.perf_counter() - t0
-                    ctx.trim(prefix)
+                for k, dt in time_batches(ctx, fill, prefix, ks, rep):
                     if rep:
                         t[k].append(dt)
                     done += 1
