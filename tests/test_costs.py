@@ -9,7 +9,11 @@ from pathlib import Path
 import pytest
 
 import eesd_local
+from eesd_local.gguf.tiny import write_tiny_gguf
 from eesd_local.llama import costs
+from eesd_local.llama.runtime import default_threads
+from eesd_local.spec.controllers import layout as L
+from eesd_local.spec.controllers.thompson import PROFILE_COSTS
 from eesd_local.spec.drafters import AutoDrafter, LookupDrafter
 from eesd_local.tools import heads
 
@@ -178,3 +182,23 @@ def test_a_disturbed_measurement_is_not_kept_nor_decided_from(fake, monkeypatch)
                                      ({1: 1.0, 2: 0.5}, False), ({1: 1.0, 2: 3.0, 3: 2.0}, False)])
 def test_plausible(bk, ok):
     assert costs.plausible(bk) is ok
+
+
+def test_the_engine_plans_from_the_kept_profile(tmp_path, isolated_home):
+    """A kept profile reaches the controller of a fresh engine: its first request already prices a
+    batch of nine as this machine does, not as the largest batch it happened to time."""
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", seed=0)
+    with eesd_local.load(str(path), drafter="lookup", n_ctx=512) as eng:
+        assert eng.controller.state[L.BATCH_COSTS] != PROFILE_COSTS  # nothing kept yet: timed online
+    bk = {k: 1.0 + 0.7 * (k - 1) for k in range(1, 10)}
+    costs.keep(path, 4.0, bk, n_threads=default_threads(), repeats=3)
+    with eesd_local.load(str(path), drafter="lookup", n_ctx=512) as eng:
+        st = eng.controller.state
+        assert st[L.BATCH_COSTS] == PROFILE_COSTS
+        est = eng.controller.state_dict()["verify_estimate"]
+        assert est[0] == pytest.approx(0.004) and est[8] / est[0] == pytest.approx(bk[9])
+        list(eng.generate(list(range(300, 340)) * 2, max_tokens=40))
+        est = eng.controller.state_dict()["verify_estimate"]
+        assert est[8] / est[0] == pytest.approx(bk[9])  # the ratios stay the profile's
+    with eesd_local.load(str(path), drafter="none", n_ctx=512) as eng:  # plain decoding plans nothing
+        assert eng.controller.state[L.BATCH_COSTS] != PROFILE_COSTS

@@ -11,7 +11,13 @@ import eesd_local
 from eesd_local.gguf.tiny import write_tiny_gguf
 from eesd_local.spec.controllers import layout as L
 from eesd_local.spec.controllers import make_controller
-from eesd_local.spec.controllers.thompson import MATCH_PRIOR, MATCH_REQUEST_EVIDENCE, match_class, match_prior_mean
+from eesd_local.spec.controllers.thompson import (
+    MATCH_PRIOR,
+    MATCH_REQUEST_EVIDENCE,
+    REQUEST_MATCH,
+    match_class,
+    match_prior_mean,
+)
 from eesd_local.spec.drafters.lookup import MATCH_CAP, LookupDrafter
 from eesd_local.spec.events import RoundEvent, TokenEvent
 from eesd_local.spec.rounds import Hindsight
@@ -53,6 +59,103 @@ def test_lookup_reports_how_far_the_match_goes():
     long = list(range(40)) + [7] + list(range(40))
     assert d.lookup_match(long, 2)[2] == MATCH_CAP  # measured up to the cap
     assert d.offer([1, 2, 3], 4) == d.offer([1, 2, 3], 4)._replace(n=0, confidence=0.0, tokens=(), match=0)
+
+
+def test_an_ambiguous_ngram_counts_as_a_one_token_match():
+    """An n-gram that went on with two different tokens before is a guess between them: its offer is
+    the latest continuation, reported at match length 1 whatever the n-gram's length."""
+    d = LookupDrafter(ngram_max=4)
+    plain = [1, 2, 3, 4, 50, 9, 9, 1, 2, 3, 4]
+    assert d.lookup_match(plain, 2) == ([50, 9], 4, 4)
+    forked = [1, 2, 3, 4, 50, 9, 9, 1, 2, 3, 4, 60, 8, 8, 1, 2, 3, 4]
+    assert d.lookup_match(forked, 2) == ([60, 8], 4, 1)
+    again = [1, 2, 3, 4, 50, 9, 1, 2, 3, 4, 50, 8, 1, 2, 3, 4]  # the same token twice: not ambiguous
+    assert d.lookup_match(again, 1) == ([50], 4, 4)
+    # a longer n-gram that never forked is not ambiguous because a shorter one did
+    d2 = LookupDrafter(ngram_max=4)
+    hist = [7, 3, 4, 50, 0, 5, 3, 4, 60, 0, 8, 3, 4, 50, 0, 5, 3, 4]
+    assert d2.lookup_match(hist, 1) == ([60], 4, 7)  # [3, 4] forked (50, 60, 50); [0, 5, 3, 4] did not
+
+
+def _ambiguous_offers(history: list[int], start: int) -> int:
+    """How many of the offers made while ``history[start:]`` was emitted were ambiguous n-grams."""
+    d = LookupDrafter()
+    n = 0
+    for end in range(start, len(history)):
+        cont, ngram, length = d.lookup_match(history[:end], 8)
+        n += bool(cont) and length == 1 and ngram > 1
+    return n
+
+
+def test_the_request_ratio_moves_long_matches_only():
+    """Offers after long matches that keep failing in this request lower what the plan counts on for
+    every long match (the request's odds ratio), also a class this request has not seen, and not for
+    short matches; a new request starts the ratio at 1 again."""
+    ctl = make_controller("cost-ts", seed=1)
+    ctl.learn_in_hindsight(True)
+    _teach_costs(ctl, slope=0.6)  # a batch of two costs 1.6 tokens
+    s = ctl.state
+    th = L.th0(ctl.max_draft)
+
+    def planned(match: int) -> float:  # what the plan counts on for the first token of an offer
+        ctl.begin_round(8, 0.8, 0, match)
+        return float(s[th])
+
+    def mean(match: int) -> float:
+        at = L.BIN0 + L.BIN_WIDTH * match_class(match)
+        return float(s[at] / (s[at] + s[at + 1]))
+
+    for _ in range(200):  # earlier requests: copies, offers after long matches run on
+        ctl.hindsight(REQUEST_MATCH + 1, 8, 8)
+        ctl.hindsight(2, 8, 1)
+    ctl.begin_request()
+    long, short = REQUEST_MATCH + 1, 2
+    assert planned(long) == pytest.approx(mean(long)) and planned(short) == pytest.approx(mean(short))
+    assert _drafted(ctl, 8, long) == 8
+    for _ in range(12):  # this request: offers after even longer matches fail at their first token
+        ctl.hindsight(12, 8, 0)
+    assert planned(short) == pytest.approx(mean(short))  # untouched
+    assert planned(long) < mean(long) - 0.2  # a class this request never offered at, scaled down
+    assert _drafted(ctl, 8, long) == 0
+    ctl.begin_request()
+    assert s[L.POS0] == s[L.POS0 + 1] == s[L.POS0 + 2]  # ratio 1 again
+    assert planned(long) == pytest.approx(mean(long))
+
+
+def test_a_kept_cost_profile_fixes_the_plan_whatever_the_timings():
+    """Primed from a cost profile, two controllers that time their rounds differently plan the same
+    lookup rounds: B(b) is the profile's, t(1) follows the plain rounds, and a lookup plan depends
+    on the ratios only."""
+    bk = {1: 1.0, 2: 1.9, 3: 2.35, 4: 2.8, 6: 3.8, 9: 5.4}
+    ctls = [make_controller("cost-ts", seed=s) for s in (1, 2)]
+    rng = np.random.default_rng(0)
+    for ctl in ctls:
+        ctl.learn_in_hindsight(True)
+        assert ctl.prime_costs(0.022, bk)
+        est = ctl.state_dict()["verify_estimate"]
+        assert est[0] == pytest.approx(0.022) and est[1] == pytest.approx(0.022 * 1.9)
+        assert est[4] == pytest.approx(0.022 * (2.8 + 3.8) / 2)  # between measured sizes: the profile's line
+        assert est[8] == pytest.approx(0.022 * 5.4)
+    plans = []
+    for ctl, scale in zip(ctls, (1.0, 1.7)):  # the second machine is busier: every batch 1.7x, noisy
+        plan = []
+        for _ in range(400):
+            match = int(rng.integers(1, 14))
+            ctl.hindsight(match, 8, 8 if match >= 8 else int(rng.integers(0, 3)))
+            k = _drafted(ctl, 8, match)
+            ctl.begin_round()
+            ctl.end_round(np.zeros(0), 0, 0.0, scale * 0.022 * (1.0 + 0.1 * rng.standard_normal()))
+            plan.append(k)
+        plans.append(plan)
+        rng = np.random.default_rng(0)
+    assert plans[0] == plans[1] and 0 < sum(plans[0]) < 8 * 400
+    est = ctls[1].state_dict()["verify_estimate"]
+    assert est[1] / est[0] == pytest.approx(1.9)  # ratios kept; t(1) followed the busy rounds
+    assert est[0] > 1.4 * 0.022
+    # a controller that has timed rounds already is left as it is
+    timed = make_controller("cost-ts")
+    _teach_costs(timed)
+    assert not timed.prime_costs(0.022, bk)
 
 
 class _Recorder:
@@ -181,12 +284,15 @@ def test_both_loops_report_the_same_offers(tiny, drafter, monkeypatch):
             assert sum(e.drafted for e in evs if isinstance(e, RoundEvent)) == 0
             st = _lookup_state(eng.controller)
             assert st[L.HINDSIGHT] == 1.0
-            states[native] = (st[L.BIN0 : L.POS0].copy(), float(st[L.REQ_SEEN]),
+            # the match classes and the request's ratio for long matches (the POS0 triple)
+            states[native] = (st[L.BIN0 : L.POS0 + 3].copy(), float(st[L.REQ_SEEN]),
                               [e.token for e in evs if isinstance(e, TokenEvent)])
     (b0, n0, t0), (b1, n1, t1) = states["0"], states["1"]
     assert t0 == t1
     assert n0 == n1 and n0 >= 10, "too few offers were resolved to compare the loops"
     assert np.array_equal(b0, b1)
+    prompt = list(range(300, 340)) * 3
+    assert _ambiguous_offers(prompt + t0, len(prompt)) > 0, "no ambiguous n-gram was offered: the loops' rule is untested"
 
 
 # --- a real model: writing, then copying --------------------------------------------

@@ -21,10 +21,11 @@ import numpy as np
 
 from eesd_local.defaults import BATCH_MS, DRAFT_MAX, N_CTX, PREFILL_CHUNK
 from eesd_local.errors import EesdError
+from eesd_local.llama import costs
 from eesd_local.llama.catalog import resolve_model
 from eesd_local.llama.ggmlapi import prefill_kernels
 from eesd_local.llama.rpc import parse_endpoints
-from eesd_local.llama.runtime import Context, ContextParams, Detokenizer, Model, common_prefix, exactness
+from eesd_local.llama.runtime import Context, ContextParams, Detokenizer, Model, common_prefix, default_threads, exactness
 from eesd_local.llama.trunk import open_split
 from eesd_local.params import (
     MAX_THREADS,
@@ -41,6 +42,7 @@ from eesd_local.params import (
 from eesd_local.spec import chat as chat_mod
 from eesd_local.spec import native_round
 from eesd_local.spec.controllers import DEFAULT_CONTROLLER, make_controller
+from eesd_local.spec.controllers import Controller as StateController
 from eesd_local.spec.drafters import DRAFTERS, make_drafter, n_sources, shared_trunk_plan
 from eesd_local.spec.drafters.base import Drafter, NoDrafter
 from eesd_local.spec.events import Event, FinishEvent, RoundEvent, Stats, TokenEvent
@@ -143,7 +145,7 @@ class Engine:
             if no_split:
                 self.drafter_note += f"; {no_split}: the exit head runs as a separate draft model"
             lap("drafter")
-            self.controller = _make_controller(config.controller, config.draft_max, config.seed, n_sources(self.drafter))
+            self.controller = self._new_controller(config.controller, n_sources(self.drafter))
         except BaseException:
             self.close()
             raise
@@ -339,7 +341,7 @@ class Engine:
             old.close()
             if n_sources(drafter) != n_sources(old) and (config.controller is None or isinstance(config.controller, str)):
                 # a drafter with another number of sources needs a controller that chooses between them
-                self.controller = _make_controller(config.controller, config.draft_max, config.seed, n_sources(drafter))
+                self.controller = self._new_controller(config.controller, n_sources(drafter))
             self.loop_note = native_round.status(drafter)[1]
             return note
 
@@ -348,8 +350,21 @@ class Engine:
         with self._lock:
             self._check_open()
             self._end_generation("the controller was switched")
-            self.controller = _make_controller(spec, self.config.draft_max, self.config.seed, n_sources(self.drafter))
+            self.controller = self._new_controller(spec, n_sources(self.drafter))
             self.config = dataclasses.replace(self.config, controller=spec)
+
+    def _new_controller(self, spec: Any, sources: int) -> Controller:
+        """A controller for ``spec``; a fresh one knows this machine's batch costs from the kept cost
+        profile (:meth:`Controller.prime_costs`) where one is kept for this model and placement."""
+        ctl = _make_controller(spec, self.config.draft_max, self.config.seed, sources)
+        if isinstance(self.drafter, NoDrafter) or not isinstance(ctl, StateController) or ctl is spec:
+            return ctl
+        c = self.config
+        prof, _ = costs.cached(costs.fingerprint(self.model_path, n_threads=c.n_threads or default_threads(),
+                                                 n_gpu_layers=c.n_gpu_layers, rpc=tuple(c.rpc)))
+        if prof is not None:
+            ctl.prime_costs(prof.t1_ms / 1e3, prof.bk)
+        return ctl
 
     def cancel(self) -> None:
         """Ask a running generation to stop after the current round (thread-safe, never waits)."""

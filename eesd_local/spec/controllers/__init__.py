@@ -30,7 +30,15 @@ from eesd_local.spec.controllers.kernels import (
     controller_update,
 )
 from eesd_local.spec.controllers.rng import seed_words
-from eesd_local.spec.controllers.thompson import BIN_PRIOR, DRAFT_MARGIN, POS_PRIOR, bin_prior_mean, ts_use_hindsight
+from eesd_local.spec.controllers.thompson import (
+    BIN_PRIOR,
+    DRAFT_MARGIN,
+    POS_PRIOR,
+    PROFILE_COSTS,
+    bin_prior_mean,
+    refresh_verify_estimates,
+    ts_use_hindsight,
+)
 
 CONTROLLER_CHOICES = ["cost-ts", "beta-ts", "calibration-ts", "fixed:K", "pmin:P", "heuristic"]
 # cost-ts: >= 0.98 of the best fixed k in hindsight on every process and cost profile of `eesd simulate`
@@ -38,6 +46,7 @@ CONTROLLER_CHOICES = ["cost-ts", "beta-ts", "calibration-ts", "fixed:K", "pmin:P
 DEFAULT_CONTROLLER = "cost-ts"
 DEFAULT_PMIN = 0.75  # llama.cpp's default p_min for greedy speculative decoding
 TS_EPS = 0.01  # exploration budget: a closed gate spends about this share of the time on one-token probes
+PRIME_WEIGHT = 6.0  # timings a kept cost profile's B(b) is worth in the verify-time means (Controller.prime_costs)
 TS_FORGET = 0.99  # theta_1 keeps ~100 rounds of evidence: it follows a change of regime in ~40-170 rounds (simulator)
 
 _THOMPSON = {
@@ -74,6 +83,39 @@ class Controller:
         for st in states:
             if st[L.KIND] == L.THOMPSON and st[L.N_RESUME] == 0.0 and seconds_per_token > 0.0:
                 st[L.RESUME] = seconds_per_token
+
+    def prime_costs(self, t1_s: float, bk: dict[int, float], weight: float = PRIME_WEIGHT) -> bool:
+        """Take what a verify batch costs from this machine's kept cost profile (t(1) in seconds, B(b)
+        for batch sizes b; sizes beyond it extrapolated from its last two): the first rounds of a process
+        already know it, where a size never timed would otherwise be priced as the largest one timed
+        (optimistic: a first request's long drafts cost several tokens each). t(1) starts at the
+        profile's, worth ``weight`` timings, and follows the rounds' plain decodes; the ratios B(b) stay
+        the profile's (thompson.PROFILE_COSTS), so the plan of a lookup round is a function of the
+        tokens alone: the same prompt drafts the same rounds in every run and under every drafter that
+        looks up (``auto`` with its model source off and ``lookup``), whatever the timing noise.
+        ``eesd models costs`` measures the profile again. Only a state that has timed nothing is
+        primed; returns whether any was."""
+        if not (t1_s > 0.0 and math.isfinite(t1_s)) or not bk:
+            return False
+        s = self.state
+        states = [_source_state(s, i) for i in range(int(s[L.N_SRC]))] if s[L.KIND] == L.MULTI else [s]
+        sizes = sorted(bk)
+        primed = False
+        for st in states:
+            if st[L.KIND] != L.THOMPSON or st[L.BATCH_COSTS] == 0.0:
+                continue
+            k = int(st[L.MAX_DRAFT])
+            vc = L.vc0(k)
+            if any(st[vc + 2 * b + 1] > 0.0 for b in range(k + 1)):
+                continue
+            for b in range(k + 1):
+                ratio = _b_of(bk, sizes, b + 1)
+                st[vc + 2 * b] = t1_s if b == 0 else ratio
+                st[vc + 2 * b + 1] = weight
+            st[L.BATCH_COSTS] = PROFILE_COSTS
+            refresh_verify_estimates(st)
+            primed = True
+        return primed
 
     def begin_round(self, offer: int = 0, confidence: float = 0.0, behind: int = 0, match: int = 0) -> None:
         """A round starts. What the loop knows before it: ``offer`` free proposals (prompt lookup's
@@ -130,6 +172,7 @@ class Controller:
         elif not on and st[L.HINDSIGHT] != 0.0:
             st[L.HINDSIGHT] = 0.0
             _bins_prior(st)
+            st[L.POS0 : L.POS0 + 3] = 1.0  # theta_1 at Beta(1, 1) again (in hindsight it held the request's ratio)
         return on
 
     def hindsight(self, match: int, n_offered: int, n_matched: int) -> None:
@@ -194,6 +237,19 @@ class Controller:
 
     def __repr__(self) -> str:
         return f"Controller({self.name!r}, max_draft={self.max_draft})"
+
+
+def _b_of(bk: dict[int, float], sizes: list[int], b: int) -> float:
+    """B(b) of a profile: between two of its sizes on the line through them, beyond its largest on
+    the line through its last two (as costs.CostProfile.b)."""
+    if b in bk:
+        return bk[b]
+    if b < sizes[0] or len(sizes) < 2:
+        return 1.0 if b < sizes[0] else bk[sizes[-1]]
+    below = [k for k in sizes if k < b]
+    above = [k for k in sizes if k > b]
+    lo, hi = (below[-1], above[0]) if above else (sizes[-2], sizes[-1])
+    return bk[lo] + (b - lo) * (bk[hi] - bk[lo]) / (hi - lo)
 
 
 def _new_state(size: int, kind: int, max_draft: int, seed: int) -> np.ndarray:

@@ -26,9 +26,11 @@ class LookupDrafter:
         self._index: dict[tuple[int, ...], int] = {}  # n-gram -> last end position seen
         self._seen: list[int] = []  # the history the index was built from
         self._indexed = 0  # n-grams ending before this position are indexed
+        self._ambiguous: set[tuple[int, ...]] = set()  # n-grams seen followed by two different tokens
 
     def begin(self, prompt: list[int]) -> None:
         self._index.clear()
+        self._ambiguous.clear()
         self._seen = []
         self._indexed = 0
 
@@ -41,7 +43,11 @@ class LookupDrafter:
         for e in range(self._indexed, len(history) - 1):
             for n in range(self.ngram_min, self.ngram_max + 1):
                 if e - n + 1 >= 0:
-                    self._index[tuple(history[e - n + 1 : e + 1])] = e
+                    gram = tuple(history[e - n + 1 : e + 1])
+                    before = self._index.get(gram)
+                    if before is not None and history[before + 1] != history[e + 1]:
+                        self._ambiguous.add(gram)
+                    self._index[gram] = e
         self._indexed = max(self._indexed, len(history) - 1)
 
     def lookup(self, history: list[int], max_n: int) -> tuple[list[int], int]:
@@ -51,13 +57,20 @@ class LookupDrafter:
 
     def lookup_match(self, history: list[int], max_n: int) -> tuple[list[int], int, int]:
         """(continuation, n of the matched n-gram, match length): the match length counts how many
-        tokens before the continuation agree with the history's end, n and on, up to MATCH_CAP."""
+        tokens before the continuation agree with the history's end, n and on, up to MATCH_CAP.
+        An ambiguous n-gram (earlier occurrences went on with different tokens) counts as a match of
+        one token, whatever its length: its latest continuation is a guess between them (on the built-in
+        sets 0.04-0.28 of such offers' first tokens were right after a 4-9 token match, 0.73-0.99 of the
+        others')."""
         self._update(history)
         for n in range(self.ngram_max, self.ngram_min - 1, -1):
             if len(history) < n:
                 continue
-            e = self._index.get(tuple(history[-n:]))
+            gram = tuple(history[-n:])
+            e = self._index.get(gram)
             if e is not None:
+                if gram in self._ambiguous:
+                    return history[e + 1 : e + 1 + max_n], n, 1
                 length = n
                 while length < MATCH_CAP and e - length >= 0 and history[e - length] == history[-1 - length]:
                     length += 1
