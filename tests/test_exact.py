@@ -21,8 +21,10 @@ from pathlib import Path
 import pytest
 
 import eesd_local
+from eesd_local.llama import costs
 from eesd_local.llama.ggmlapi import exact_rows, ggml_symbol, prefill_kernels
-from eesd_local.spec.events import FinishEvent, TokenEvent
+from eesd_local.llama.runtime import default_threads
+from eesd_local.spec.events import FinishEvent, RoundEvent, TokenEvent
 
 from .conftest import QWEN05
 
@@ -180,3 +182,20 @@ def test_seeded_sampling_is_reproducible(drafter):
         with eesd_local.load(QWEN05, n_ctx=2048, drafter=drafter, controller="fixed:4") as eng:
             texts.add(eng.run(_tokens(eng, p), max_tokens=48, temperature=0.8, top_p=0.95, seed=1234).text)
     assert len(texts) == 1, texts
+
+
+def test_seeded_sampling_with_lookup_is_reproducible_under_the_default_controller(isolated_home, qwen05_path):
+    """With a kept cost profile, a lookup round's plan is a function of the tokens alone (B(b) is the
+    profile's, acceptance is learned from the offers in hindsight): seeded sampling under the default
+    controller gives one text and the same rounds in every run, however the rounds were timed."""
+    costs.keep(qwen05_path, 22.0, {k: 1.0 + 0.55 * (k - 1) for k in range(1, 10)}, n_threads=default_threads(), repeats=3)
+    p = next(p for p in PROMPTS if p["kind"] == "rewrite")
+    runs = set()
+    for _ in range(2):
+        with eesd_local.load(str(qwen05_path), n_ctx=2048, drafter="lookup") as eng:
+            evs = list(eng.generate(_tokens(eng, p), max_tokens=64, temperature=0.8, top_p=0.95, seed=1234))
+        text = "".join(e.text for e in evs if isinstance(e, TokenEvent))
+        rounds = tuple((e.drafted, e.accepted) for e in evs if isinstance(e, RoundEvent))
+        runs.add((text, rounds))
+    assert len(runs) == 1, runs
+    assert sum(d for d, _ in next(iter(runs))[1]) > 0, "nothing was drafted: the test shows nothing"
