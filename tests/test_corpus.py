@@ -19,7 +19,8 @@ import pytest
 
 from eesd_local.cli import main
 from eesd_local.errors import EesdError
-from eesd_local.tools.heads import corpus
+from eesd_local.gguf.headfile import read_head_info
+from eesd_local.tools.heads import corpus, targets, teacher
 from eesd_local.tools.heads.corpus import Answer, CorpusWarning, ModelStamp
 from eesd_local.tools.heads.teacher import chat_formatter
 
@@ -257,3 +258,42 @@ def test_real_model_answers_two_prompts(prompts, tmp_path):
             assert corpus.prompt_sha(rebuilt) == a.prompt_sha and len(rebuilt) == a.n_prompt
     finally:
         llm.close()
+
+
+@needs_demo
+def test_training_reads_the_corpus_with_hard_targets(tiny, prompts, tmp_path, capsys):
+    """The corpus' answers become the trainer's shards: prompt rebuilt and checked against its sha256,
+    the row before each answer token holds that token (the greedy choice), prompt rows no target; an
+    answer whose prompt no longer rebuilds is left out and counted; an unchanged corpus is not rebuilt;
+    then `eesd heads train --corpus` trains a head from it and the head says so."""
+    pytest.importorskip("torch")
+    folder = tmp_path / "c"
+    cfg = corpus.GrowConfig(n_parallel=3, max_new=12, max_prompt=2048)
+    corpus.grow(tiny, folder, cfg, items=prompts[:6])
+    stamp = ModelStamp.of(tiny)
+    stale = Answer(prompts[6].id, corpus.prompt_sha([1, 2, 3]), 3, np.asarray([5, 6], np.int32), False)
+    corpus.write_shard(folder, stamp, SETTINGS, [stale])
+    root = tmp_path / "targets"
+    got = targets.build(tiny, folder, root)
+    assert got.answers == 6 and got.left_out == {"its prompt rebuilds to other tokens": 1}
+    answers = {a.source: a for a in corpus.read_corpus(folder).answers}
+    (shard,) = teacher.shard_paths(got.folder)
+    with np.load(shard) as z:
+        offsets, n_prompt, ids_, tokens = z["offsets"], z["n_prompt"], z["topk_ids"], z["tokens"]
+        sources = [str(x) for x in z["ids"]]
+    for i, src in enumerate(sources):
+        a, b, n = int(offsets[i]), int(offsets[i + 1]), int(n_prompt[i])
+        assert n == answers[src].n_prompt and list(tokens[a + n : b]) == answers[src].tokens.tolist()
+        assert list(ids_[a + n - 1 : b - 1, 0]) == answers[src].tokens.tolist()  # row j predicts token j + 1
+        assert (ids_[a : a + n - 1, 0] == -1).all() and ids_[b - 1, 0] == -1
+    mtime = shard.stat().st_mtime_ns
+    again = targets.build(tiny, folder, root)
+    assert again.folder == got.folder and again.answers == 6 and shard.stat().st_mtime_ns == mtime
+    out = tmp_path / "corpus-head.gguf"
+    args = ["heads", "train", "--model", str(tiny), "--exit-layer", "2", "-o", str(out), "--corpus", str(folder),
+            "--epochs", "1", "--threads", "1", "--batch-tokens", "512"]
+    assert main(args) == 0
+    info = read_head_info(out)
+    assert info["data"]["source"] == "corpus" and info["data"]["answer_tokens"] == got.answer_tokens
+    assert main([*args[:-8], "--corpus", str(tmp_path / "empty"), "--force"]) == 2
+    assert "no corpus shards" in capsys.readouterr().err

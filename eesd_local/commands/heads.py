@@ -18,7 +18,7 @@ from eesd_local.interrupts import interrupt_for, terminate_as_interrupt
 from eesd_local.llama.catalog import get_spec, is_present, known_models
 from eesd_local.params import MAX_THREADS, check_int, check_number
 from eesd_local.paths import cache_dir, models_dir
-from eesd_local.tools.heads import corpus, data, evaluate, teacher, train
+from eesd_local.tools.heads import corpus, data, evaluate, targets, teacher, train
 from eesd_local.tools.heads.corpus import DEFAULT_MAX_MB, GrowConfig
 from eesd_local.tools.heads.data import DEFAULT_MIX, DEFAULT_TRAIN_VOCAB, MIXES
 from eesd_local.tools.registry import resolve_model
@@ -54,6 +54,16 @@ def register(subparsers) -> None:
         "--tokens", type=int, default=None, help="at most this many teacher tokens on disk (default: as many as --minutes allows)"
     )
     t.add_argument("--teacher-minutes", type=float, default=None, help="stop generating teacher data after this long")
+    t.add_argument(
+        "--corpus",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="FOLDER",
+        help="train on the teacher corpus (models/corpus/MODEL, or FOLDER) with hard targets, the model's greedy "
+        "answer tokens; no teacher runs (eesd heads corpus grow adds answers)",
+    )
+    t.add_argument("--init-head", type=Path, default=None, help="start from this head's exit block (more data for a head)")
     t.add_argument("--mix", choices=sorted(MIXES), default=DEFAULT_MIX, help=f"training data (default {DEFAULT_MIX})")
     t.add_argument(
         "--draft-vocab",
@@ -153,6 +163,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available():
             raise EesdError("--device cuda was asked for but PyTorch sees no CUDA device", hint="use --device cpu")
+    if args.init_head is not None:
+        check_head_for_training(model, args.init_head, args.exit_layer)
+    if args.corpus is not None:
+        return _train_from_corpus(args, model, deadline, t_start)
     data_dir = args.data or cache_dir("heads-data") / fingerprint(model) / args.mix
     cap = f"at most {args.tokens} tokens, " if args.tokens else ""
     print(f"teacher data: {data_dir} ({cap}mix {args.mix}; {args.minutes:g} min for the whole run)", file=sys.stderr)
@@ -180,6 +194,36 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise EesdError(
             f"no teacher data was made within --minutes {args.minutes:g}", hint="give the run more minutes (--minutes)"
         )
+    return _train(args, model, data_dir, {"teacher_tokens": teacher.count_tokens(data_dir), "mix": data.MIXES[args.mix]},
+                  deadline, t_start)
+
+
+def check_head_for_training(model: Path, head: Path, exit_layer: int) -> None:
+    info = read_head_info(head)
+    if info["base_fingerprint"] != fingerprint(model):
+        raise EesdError(f"--init-head {head} was trained for another model ({info.get('base_name', '?')})")
+    if int(info["exit_layer"]) != exit_layer:
+        raise EesdError(f"--init-head {head} exits after layer {info['exit_layer']}, not {exit_layer}",
+                        hint=f"use --exit-layer {info['exit_layer']}")
+
+
+def _train_from_corpus(args: argparse.Namespace, model: Path, deadline: float, t_start: float) -> int:
+    folder = Path(args.corpus) if args.corpus else corpus.corpus_dir_for(args.model, model)
+    if not corpus.shard_paths(folder):
+        raise EesdError(f"no corpus shards in {folder}", hint=f"eesd heads corpus grow --model {args.model}")
+    with Progress(TextColumn("corpus targets"), BarColumn(), TextColumn("{task.completed}/{task.total} answers"),
+                  console=Console(stderr=True)) as bar:
+        task = bar.add_task("targets", total=None)
+        got = targets.build(model, folder, cache_dir("heads-data") / fingerprint(model),
+                            progress=lambda i, n: bar.update(task, completed=i, total=n))
+    if not got.answers:
+        raise EesdError(f"no answer of {folder} could be used: {got.left_out}")
+    left = "; left out: " + ", ".join(f"{n} ({why})" for why, n in got.left_out.items()) if got.left_out else ""
+    print(f"corpus {folder}: {got.answers} answers, {got.answer_tokens} answer tokens (hard targets){left}", file=sys.stderr)
+    return _train(args, model, got.folder, got.summary(), deadline, t_start)
+
+
+def _train(args: argparse.Namespace, model: Path, data_dir: Path, data_summary: dict, deadline: float, t_start: float) -> int:
     train.cache_trunk_states(
         model, data_dir, (args.exit_layer,), threads=args.threads, progress=lambda m: print(m, file=sys.stderr)
     )
@@ -199,9 +243,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         device=args.device,
         ckpt_path=cache_dir("heads-ckpt") / f"{args.output.name}.{fingerprint(model)[:12]}.ckpt",
         log=lambda m: print(m, file=sys.stderr),
-        data_summary={"teacher_tokens": teacher.count_tokens(data_dir), "mix": data.MIXES[args.mix]},
+        data_summary=data_summary,
         force=args.force,
         deadline=deadline,
+        init_head=args.init_head,
     )
     summary["wall_minutes"] = round((time.time() - t_start) / 60, 1)
     print(

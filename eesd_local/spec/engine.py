@@ -360,8 +360,11 @@ class Engine:
         if isinstance(self.drafter, NoDrafter) or not isinstance(ctl, StateController) or ctl is spec:
             return ctl
         c = self.config
-        prof, _ = costs.cached(costs.fingerprint(self.model_path, n_threads=c.n_threads or default_threads(),
-                                                 n_gpu_layers=c.n_gpu_layers, rpc=tuple(c.rpc)))
+        try:
+            prof, _ = costs.cached(costs.fingerprint(self.model_path, n_threads=c.n_threads or default_threads(),
+                                                     n_gpu_layers=c.n_gpu_layers, rpc=tuple(c.rpc)))
+        except OSError:  # an unreadable cache: the rounds time the batches themselves
+            prof = None
         if prof is not None:
             ctl.prime_costs(prof.t1_ms / 1e3, prof.bk)
         return ctl

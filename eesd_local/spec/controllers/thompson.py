@@ -72,7 +72,12 @@ source (L0 tokens before the round, L0 + i after i accepted drafts), so the conf
 one Beta per match length (1..9, 10+), forgotten per request like theta_1. On recorded answers of
 the built-in sets (scripts/lookup_replay.py) this is within 1-2% of the best fixed rule per
 category in hindsight, where the position model above lost up to 8% to plain decoding on prose
-(its odds ratios, learned on copy-heavy requests, carried long drafts into prose).
+(its odds ratios, learned on copy-heavy requests, carried long drafts into prose). Two refinements
+(issue 31): prompt lookup reports an ambiguous n-gram (its earlier occurrences went on differently)
+as a one-token match, and offers at matches of REQUEST_MATCH tokens or more share the request's odds
+ratio against their classes (the POS0 triple, which the position model does not use in hindsight):
+a long match runs on in a rewrite and in code, less often in chat, and the classes pool every request.
+With B(b) fixed from the kept cost profile (PROFILE_COSTS) the plan is then a function of the tokens.
 
 RULE = 1 is the EESD paper's rule, kept for comparison: at each step sample theta (the
 pooled posterior, or the confidence bin's) and go on with probability theta. Its draft

@@ -1,0 +1,136 @@
+"""Training targets from the teacher corpus (issue 32): its answers as the trainer's shards.
+
+The corpus keeps each answer's token ids and where its prompt comes from, never the prompt itself.
+Here every prompt is rebuilt from the installed packages (``corpus.items_by_source``), rendered with
+the model's chat template, tokenized as the grow tokenized it and checked against the sha256 the
+corpus recorded; an answer whose prompt no longer rebuilds to the same tokens (a package changed) is
+left out and counted.
+
+The targets are hard: an answer token is the model's own greedy choice, so at the row before it the
+teacher's argmax is that token (top-1, log-prob 0). Prompt rows carry no target (the next prompt
+token is the user's, not the model's choice). No model is run: what training then needs is the
+trunk states (``train.cache_trunk_states``), as for the teacher's own shards. The shards are written
+once per corpus state into a cache folder named after the corpus' content (its shard files), so a
+grown corpus gets a new folder and an unchanged one is reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from eesd_local.atomic import atomic_path
+from eesd_local.llama.runtime import Model
+from eesd_local.tools.heads import corpus, teacher
+
+SHARD_ANSWERS = 256  # answers per trainer shard
+
+
+@dataclass
+class Targets:
+    folder: Path  # the trainer's shards (teacher format: tokens, offsets, n_prompt, topk_ids, topk_logp, ids, categories)
+    answers: int = 0
+    answer_tokens: int = 0
+    prompt_tokens: int = 0
+    left_out: dict[str, int] = field(default_factory=dict)  # why -> answers
+
+    def summary(self) -> dict:
+        return {"source": "corpus", "targets": "hard (the model's greedy answer token)", "answers": self.answers,
+                "answer_tokens": self.answer_tokens, "prompt_tokens": self.prompt_tokens, "left_out": self.left_out}
+
+
+def corpus_key(folder: Path) -> str:
+    """A name for the corpus' content: its shard files' names (they carry a hash of their bytes)."""
+    names = "\n".join(p.name for p in corpus.shard_paths(folder))
+    return hashlib.sha256(names.encode()).hexdigest()[:12]
+
+
+def category_of(source: str) -> str:
+    return "code" if source.startswith("code:") else "chat"
+
+
+def hard_targets(tokens: np.ndarray, n_prompt: int) -> tuple[np.ndarray, np.ndarray]:
+    """(topk_ids [L, 1], topk_logp [L, 1]) for one sequence of prompt + answer: row j predicts token
+    j + 1; the rows before answer tokens hold them, every other row -1."""
+    n = len(tokens)
+    ids = -np.ones((n, 1), np.int32)
+    if n > n_prompt:
+        ids[n_prompt - 1 : n - 1, 0] = tokens[n_prompt:]
+    return ids, np.zeros((n, 1), np.float16)
+
+
+def build(model_path: Path, corpus_folder: Path, out_root: Path, *, mix: str = "own",
+          progress: Callable[[int, int], None] | None = None) -> Targets:
+    """The trainer's shards for the corpus in ``corpus_folder`` (made by ``model_path``'s model), under
+    ``out_root``/corpus-KEY; reused when they are there already."""
+    stamp = corpus.ModelStamp.of(model_path)
+    found = corpus.read_corpus(corpus_folder, model=stamp)  # another model's corpus: refused, naming both
+    out = Path(out_root) / f"corpus-{corpus_key(corpus_folder)}"
+    targets = Targets(out)
+    answers = found.answers
+    if teacher.shard_paths(out):  # made before for this very corpus: count what it holds
+        for p in teacher.shard_paths(out):
+            with np.load(p) as z:
+                targets.answers += len(z["ids"])
+                targets.prompt_tokens += int(z["n_prompt"].sum())
+                targets.answer_tokens += int((z["topk_ids"][:, 0] >= 0).sum())
+        return targets
+    partial = out.with_name(out.name + ".partial")  # renamed into place once whole: a stopped build is redone
+    if partial.exists():
+        shutil.rmtree(partial)
+    items = corpus.items_by_source(mix)
+    render = teacher.chat_formatter(model_path)
+    vocab = Model(model_path, vocab_only=True)
+    seqs: list[tuple[str, str, np.ndarray, int]] = []
+    n_written = 0
+
+    def flush() -> None:
+        nonlocal seqs, n_written
+        if not seqs:
+            return
+        toks = [s[2] for s in seqs]
+        offsets = np.concatenate([[0], np.cumsum([len(t) for t in toks])]).astype(np.int64)
+        pairs = [hard_targets(t, s[3]) for t, s in zip(toks, seqs)]
+        path = partial / f"teacher-{n_written:05d}.npz"
+        partial.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            with open(tmp, "wb") as fh:
+                np.savez(fh, tokens=np.concatenate(toks), offsets=offsets,
+                         n_prompt=np.asarray([s[3] for s in seqs], np.int32),
+                         topk_ids=np.concatenate([p[0] for p in pairs]), topk_logp=np.concatenate([p[1] for p in pairs]),
+                         ids=np.asarray([s[0] for s in seqs]), categories=np.asarray([s[1] for s in seqs]))
+        n_written += 1
+        seqs = []
+
+    try:
+        for i, a in enumerate(answers):
+            item = items.get(a.source)
+            if item is None:
+                why = "its prompt is not in this mix's training range"
+            else:
+                prompt = vocab.tokenize(render([{"role": r, "content": c} for r, c in item.messages]),
+                                        add_special=False, parse_special=True)
+                why = "" if corpus.prompt_sha(prompt) == a.prompt_sha else "its prompt rebuilds to other tokens"
+            if why:
+                targets.left_out[why] = targets.left_out.get(why, 0) + 1
+                continue
+            tokens = np.concatenate([np.asarray(prompt, np.int32), a.tokens.astype(np.int32)])
+            seqs.append((a.source, category_of(a.source), tokens, len(prompt)))
+            targets.answers += 1
+            targets.prompt_tokens += len(prompt)
+            targets.answer_tokens += len(a.tokens)
+            if len(seqs) >= SHARD_ANSWERS:
+                flush()
+            if progress:
+                progress(i + 1, len(answers))
+        flush()
+    finally:
+        vocab.close()
+    if partial.exists():
+        partial.rename(out)
+    return targets
