@@ -12,10 +12,10 @@ from eesd_local import cli
 from eesd_local.errors import EesdError
 from eesd_local.gguf.reader import bytes_read_per_token
 from eesd_local.spec.events import Stats
-from eesd_local.tools.bench import REQUIRED_KEYS, PromptItem, load_prompts, runner
+from eesd_local.tools.bench import runner
 from eesd_local.tools.bench.methods import EngineMethod, MethodSpec, Sampling, parse_methods
-from eesd_local.tools.bench.prompts import CHAT_KINDS, chat_kind, chat_set, code_set, rewrite_set
-from eesd_local.tools.bench.report import projected_speedup
+from eesd_local.tools.bench.prompts import CHAT_KINDS, PromptItem, chat_kind, chat_set, code_set, load_prompts, rewrite_set
+from eesd_local.tools.bench.report import REQUIRED_KEYS, projected_speedup
 from eesd_local.tools.heads.data import heldout_sharegpt_range, is_heldout_module, sharegpt_records
 
 from .conftest import QWEN05

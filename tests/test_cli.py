@@ -148,3 +148,21 @@ def test_every_engine_option_is_a_flag():
     """The engine flags map one-to-one onto EngineConfig (but the controller's seed)."""
 
     assert set(ENGINE_FLAGS) == {f.name for f in dataclasses.fields(EngineConfig)} - {"seed"}
+
+
+def test_a_command_imports_only_its_own_module():
+    """`eesd generate` builds its parser without the HTTP server, the bench or the training stack (they
+    cost ~0.3 s before its first token); help and a mistyped command still list every command."""
+    code = (
+        "import sys\n"
+        "from eesd_local.cli import build_parser\n"
+        "p = build_parser(['generate', '--chat'])\n"
+        "print(sorted(m for m in ('eesd_local.server', 'fastapi', 'eesd_local.tools.bench.runner', 'torch')"
+        " if m in sys.modules))\n"
+        "print(len(build_parser([])._subparsers._group_actions[0].choices))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[0] == "[]", out
+    from eesd_local.cli import COMMANDS  # noqa: PLC0415 - the names the full parser must list
+
+    assert int(out[1]) == len(COMMANDS)

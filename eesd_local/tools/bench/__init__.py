@@ -5,13 +5,7 @@
     runner.py   load and warm up, the interleaved loop, near-tie certification, Ctrl-C
     report.py   figures per method and category, the JSON, the tables
     plots.py    PNGs with matplotlib
+
+Import the module you need (``eesd_local.tools.bench.prompts`` and so on): the package itself imports
+nothing, so reading the built-in prompt sets (`eesd models`) does not load the runner and the engine.
 """
-
-from __future__ import annotations
-
-from eesd_local.tools.bench.prompts import BUILTIN_SETS, PromptItem, load_prompts
-from eesd_local.tools.bench.report import REQUIRED_KEYS, summarize, to_json
-from eesd_local.tools.bench.runner import BenchConfig, Results, run_bench
-
-__all__ = ["BUILTIN_SETS", "REQUIRED_KEYS", "BenchConfig", "PromptItem", "Results", "load_prompts", "run_bench", "summarize",
-           "to_json"]
