@@ -220,10 +220,11 @@ def _train_from_corpus(args: argparse.Namespace, model: Path, deadline: float, t
         raise EesdError(f"no answer of {folder} could be used: {got.left_out}")
     left = "; left out: " + ", ".join(f"{n} ({why})" for why, n in got.left_out.items()) if got.left_out else ""
     print(f"corpus {folder}: {got.answers} answers, {got.answer_tokens} answer tokens (hard targets){left}", file=sys.stderr)
-    return _train(args, model, got.folder, got.summary(), deadline, t_start)
+    return _train(args, model, got.folder, got.summary(), deadline, t_start, batch_negatives=True)
 
 
-def _train(args: argparse.Namespace, model: Path, data_dir: Path, data_summary: dict, deadline: float, t_start: float) -> int:
+def _train(args: argparse.Namespace, model: Path, data_dir: Path, data_summary: dict, deadline: float, t_start: float,
+           *, batch_negatives: bool = False) -> int:
     train.cache_trunk_states(
         model, data_dir, (args.exit_layer,), threads=args.threads, progress=lambda m: print(m, file=sys.stderr)
     )
@@ -234,6 +235,7 @@ def _train(args: argparse.Namespace, model: Path, data_dir: Path, data_summary: 
         batch_tokens=args.batch_tokens,
         threads=args.threads,
         draft_vocab=args.draft_vocab,
+        batch_negatives=batch_negatives,
     )
     summary = train.train_head(
         model,

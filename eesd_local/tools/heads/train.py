@@ -56,6 +56,9 @@ class TrainConfig:
     # the argmax over V' (what the shared-trunk draft computes)
     draft_vocab: int = 0
     init_from: int | None = None  # base block the exit block starts from (None: the last block)
+    # also take every target token of the batch as a negative (hard targets: the row's own top-1 only, so
+    # the tokens it is confused with are in the softmax only when sampled; the batch's targets are those)
+    batch_negatives: bool = False
 
 
 @dataclass
@@ -365,9 +368,11 @@ def train_head(
                     valid &= keep_all.any(-1)
                     keep = keep_all[valid].to(device)
                 z = head(h.to(device))[valid]
-                neg = np.unique(
-                    np.concatenate([pool[rng.choice(len(pool), cfg.negatives // 2, p=uni)], rng.choice(pool, cfg.negatives // 2)])
-                )
+                parts = [pool[rng.choice(len(pool), cfg.negatives // 2, p=uni)], rng.choice(pool, cfg.negatives // 2)]
+                if cfg.batch_negatives:
+                    tgt = ids[valid][:, 0].numpy()
+                    parts.append(tgt if in_v is None else tgt[in_v[torch.from_numpy(tgt)].numpy()])
+                neg = np.unique(np.concatenate(parts))
                 loss, acc = distill_loss(
                     z, lm_w, ids[valid].to(device), lp[valid].to(device), torch.from_numpy(neg).to(device), keep
                 )
