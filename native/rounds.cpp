@@ -151,8 +151,9 @@ int Rounds::lookup(int max_n, std::vector<llama_token>& out) {
     int l = best_n;  // the match length: on beyond the n-gram, up to MATCH_CAP (LookupDrafter.lookup_match)
     while (l < MATCH_CAP && best_e - l >= 0 && h[best_e - l] == h[len - 1 - l]) l++;
     match_len_ = l;
-    // an ambiguous n-gram (an earlier occurrence went on with another token) counts as a one-token match
-    for (int e = best_e - 1; e >= best_n - 1; e--) {
+    // an ambiguous n-gram (an earlier occurrence went on with another token) counts as a one-token match;
+    // LookupDrafter.lookup_match is the reference (tests/test_hindsight.py runs both loops against it)
+    for (int e = best_e - 1; l > 1 && e >= best_n - 1; e--) {
         if (h[e + 1] == h[best_e + 1]) continue;
         int k = 0;
         while (k < best_n && h[e - k] == h[len - 1 - k]) k++;

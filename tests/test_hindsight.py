@@ -9,6 +9,7 @@ import pytest
 
 import eesd_local
 from eesd_local.gguf.tiny import write_tiny_gguf
+from eesd_local.llama import costs
 from eesd_local.spec.controllers import layout as L
 from eesd_local.spec.controllers import make_controller
 from eesd_local.spec.controllers.thompson import (
@@ -127,11 +128,12 @@ def test_a_kept_cost_profile_fixes_the_plan_whatever_the_timings():
     lookup rounds: B(b) is the profile's, t(1) follows the plain rounds, and a lookup plan depends
     on the ratios only."""
     bk = {1: 1.0, 2: 1.9, 3: 2.35, 4: 2.8, 6: 3.8, 9: 5.4}
+    profile = costs.CostProfile(22.0, bk, {})
     ctls = [make_controller("cost-ts", seed=s) for s in (1, 2)]
     rng = np.random.default_rng(0)
     for ctl in ctls:
         ctl.learn_in_hindsight(True)
-        assert ctl.prime_costs(0.022, bk)
+        assert ctl.prime_costs(0.022, [profile.b(b) for b in range(1, ctl.max_draft + 2)])
         est = ctl.state_dict()["verify_estimate"]
         assert est[0] == pytest.approx(0.022) and est[1] == pytest.approx(0.022 * 1.9)
         assert est[4] == pytest.approx(0.022 * (2.8 + 3.8) / 2)  # between measured sizes: the profile's line
@@ -155,7 +157,7 @@ def test_a_kept_cost_profile_fixes_the_plan_whatever_the_timings():
     # a controller that has timed rounds already is left as it is
     timed = make_controller("cost-ts")
     _teach_costs(timed)
-    assert not timed.prime_costs(0.022, bk)
+    assert not timed.prime_costs(0.022, [profile.b(b) for b in range(1, timed.max_draft + 2)])
 
 
 class _Recorder:

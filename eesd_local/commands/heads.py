@@ -13,7 +13,15 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from eesd_local.atomic import check_overwrite
 from eesd_local.errors import EesdError
-from eesd_local.gguf.headfile import build_draft, check_exit_layer, find_head, fingerprint, model_info, read_head_info
+from eesd_local.gguf.headfile import (
+    build_draft,
+    check_exit_layer,
+    check_head_for,
+    find_head,
+    fingerprint,
+    model_info,
+    read_head_info,
+)
 from eesd_local.interrupts import interrupt_for, terminate_as_interrupt
 from eesd_local.llama.catalog import get_spec, is_present, known_models
 from eesd_local.params import MAX_THREADS, check_int, check_number
@@ -199,9 +207,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def check_head_for_training(model: Path, head: Path, exit_layer: int) -> None:
-    info = read_head_info(head)
-    if info["base_fingerprint"] != fingerprint(model):
-        raise EesdError(f"--init-head {head} was trained for another model ({info.get('base_name', '?')})")
+    info, _ = check_head_for(model, head)
     if int(info["exit_layer"]) != exit_layer:
         raise EesdError(f"--init-head {head} exits after layer {info['exit_layer']}, not {exit_layer}",
                         hint=f"use --exit-layer {info['exit_layer']}")

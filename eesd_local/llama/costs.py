@@ -53,14 +53,16 @@ class CostProfile:
     plausible: bool = True  # False: measured under other work; not kept, not to decide from
 
     def b(self, k: int) -> float:
-        """B(k); beyond the measured sizes, extrapolated linearly from the last two."""
+        """B(k); between two measured sizes on the line through them, beyond the largest extrapolated
+        linearly from the last two."""
         if k in self.bk:
             return self.bk[k]
         ks = sorted(self.bk)
         if k < ks[0]:
             return 1.0
-        a, b = ks[-2], ks[-1]
-        return self.bk[b] + (k - b) * (self.bk[b] - self.bk[a]) / (b - a)
+        above = [x for x in ks if x > k]
+        a, b = (max(x for x in ks if x < k), above[0]) if above else (ks[-2], ks[-1])
+        return self.bk[a] + (k - a) * (self.bk[b] - self.bk[a]) / (b - a)
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

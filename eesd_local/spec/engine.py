@@ -25,7 +25,7 @@ from eesd_local.llama import costs
 from eesd_local.llama.catalog import resolve_model
 from eesd_local.llama.ggmlapi import prefill_kernels
 from eesd_local.llama.rpc import parse_endpoints
-from eesd_local.llama.runtime import Context, ContextParams, Detokenizer, Model, common_prefix, default_threads, exactness
+from eesd_local.llama.runtime import Context, ContextParams, Detokenizer, Model, common_prefix, exactness
 from eesd_local.llama.trunk import open_split
 from eesd_local.params import (
     MAX_THREADS,
@@ -43,7 +43,7 @@ from eesd_local.spec import chat as chat_mod
 from eesd_local.spec import native_round
 from eesd_local.spec.controllers import DEFAULT_CONTROLLER, make_controller
 from eesd_local.spec.controllers import Controller as StateController
-from eesd_local.spec.drafters import DRAFTERS, make_drafter, n_sources, shared_trunk_plan
+from eesd_local.spec.drafters import DRAFTERS, make_drafter, n_sources, placement, shared_trunk_plan
 from eesd_local.spec.drafters.base import Drafter, NoDrafter
 from eesd_local.spec.events import Event, FinishEvent, RoundEvent, Stats, TokenEvent
 from eesd_local.spec.rounds import Controller, RoundLoop, round_limit
@@ -359,14 +359,12 @@ class Engine:
         ctl = _make_controller(spec, self.config.draft_max, self.config.seed, sources)
         if isinstance(self.drafter, NoDrafter) or not isinstance(ctl, StateController) or ctl is spec:
             return ctl
-        c = self.config
         try:
-            prof, _ = costs.cached(costs.fingerprint(self.model_path, n_threads=c.n_threads or default_threads(),
-                                                     n_gpu_layers=c.n_gpu_layers, rpc=tuple(c.rpc)))
+            prof, _ = costs.cached(costs.fingerprint(self.model_path, **placement(self.config)))
         except OSError:  # an unreadable cache: the rounds time the batches themselves
             prof = None
         if prof is not None:
-            ctl.prime_costs(prof.t1_ms / 1e3, prof.bk)
+            ctl.prime_costs(prof.t1_ms / 1e3, [prof.b(b) for b in range(1, self.config.draft_max + 2)])
         return ctl
 
     def cancel(self) -> None:

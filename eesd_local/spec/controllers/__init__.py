@@ -15,6 +15,7 @@ Bernoulli rule, for comparison), ``fixed:K``, ``pmin:P`` (llama.cpp's p_min, def
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -84,22 +85,21 @@ class Controller:
             if st[L.KIND] == L.THOMPSON and st[L.N_RESUME] == 0.0 and seconds_per_token > 0.0:
                 st[L.RESUME] = seconds_per_token
 
-    def prime_costs(self, t1_s: float, bk: dict[int, float], weight: float = PRIME_WEIGHT) -> bool:
-        """Take what a verify batch costs from this machine's kept cost profile (t(1) in seconds, B(b)
-        for batch sizes b; sizes beyond it extrapolated from its last two): the first rounds of a process
-        already know it, where a size never timed would otherwise be priced as the largest one timed
-        (optimistic: a first request's long drafts cost several tokens each). t(1) starts at the
-        profile's, worth ``weight`` timings, and follows the rounds' plain decodes; the ratios B(b) stay
-        the profile's (thompson.PROFILE_COSTS), so the plan of a lookup round is a function of the
-        tokens alone: the same prompt drafts the same rounds in every run and under every drafter that
-        looks up (``auto`` with its model source off and ``lookup``), whatever the timing noise.
-        ``eesd models costs`` measures the profile again. Only a state that has timed nothing is
+    def prime_costs(self, t1_s: float, ratios: Sequence[float], weight: float = PRIME_WEIGHT) -> bool:
+        """Take what a verify batch costs from this machine's kept cost profile: t(1) in seconds and
+        ``ratios``, B(b) for batch sizes b = 1, 2, .. max_draft + 1 (costs.CostProfile.b). The first
+        rounds of a process then already know it, where a size never timed would otherwise be priced as
+        the largest one timed (optimistic: a first request's long drafts cost several tokens each). t(1)
+        starts at the profile's, worth ``weight`` timings, and follows the rounds' plain decodes; the
+        ratios B(b) stay the profile's (thompson.PROFILE_COSTS), so the plan of a lookup round is a
+        function of the tokens alone: the same prompt drafts the same rounds in every run and under every
+        drafter that looks up (``auto`` with its model source off and ``lookup``), whatever the timing
+        noise. ``eesd models costs`` measures the profile again. Only a state that has timed nothing is
         primed; returns whether any was."""
-        if not (t1_s > 0.0 and math.isfinite(t1_s)) or not bk:
+        if not (t1_s > 0.0 and math.isfinite(t1_s)) or len(ratios) < self.max_draft + 1:
             return False
         s = self.state
         states = [_source_state(s, i) for i in range(int(s[L.N_SRC]))] if s[L.KIND] == L.MULTI else [s]
-        sizes = sorted(bk)
         primed = False
         for st in states:
             if st[L.KIND] != L.THOMPSON or st[L.BATCH_COSTS] == 0.0:
@@ -109,8 +109,7 @@ class Controller:
             if any(st[vc + 2 * b + 1] > 0.0 for b in range(k + 1)):
                 continue
             for b in range(k + 1):
-                ratio = _b_of(bk, sizes, b + 1)
-                st[vc + 2 * b] = t1_s if b == 0 else ratio
+                st[vc + 2 * b] = t1_s if b == 0 else ratios[b]
                 st[vc + 2 * b + 1] = weight
             st[L.BATCH_COSTS] = PROFILE_COSTS
             refresh_verify_estimates(st)
@@ -237,19 +236,6 @@ class Controller:
 
     def __repr__(self) -> str:
         return f"Controller({self.name!r}, max_draft={self.max_draft})"
-
-
-def _b_of(bk: dict[int, float], sizes: list[int], b: int) -> float:
-    """B(b) of a profile: between two of its sizes on the line through them, beyond its largest on
-    the line through its last two (as costs.CostProfile.b)."""
-    if b in bk:
-        return bk[b]
-    if b < sizes[0] or len(sizes) < 2:
-        return 1.0 if b < sizes[0] else bk[sizes[-1]]
-    below = [k for k in sizes if k < b]
-    above = [k for k in sizes if k > b]
-    lo, hi = (below[-1], above[0]) if above else (sizes[-2], sizes[-1])
-    return bk[lo] + (b - lo) * (bk[hi] - bk[lo]) / (hi - lo)
 
 
 def _new_state(size: int, kind: int, max_draft: int, seed: int) -> np.ndarray:

@@ -58,6 +58,11 @@ def resolve_head(spec: str) -> Any:
     return check_gguf(Path(spec).expanduser(), what="head")
 
 
+def placement(config: Any) -> dict[str, Any]:
+    """Where the target runs, as a cost profile is keyed (costs.fingerprint's keyword arguments)."""
+    return dict(n_threads=config.n_threads or default_threads(), n_gpu_layers=config.n_gpu_layers, rpc=tuple(config.rpc))
+
+
 def auto_head(config: Any, model_path: Any, model: Model | None = None) -> tuple[Any, costs.Verdict | None]:
     """The exit head ``auto`` would hold (None: none is known for the model), and whether it could
     ever pay on this machine, from the kept cost profile (measured now with ``model`` where none is
@@ -68,8 +73,7 @@ def auto_head(config: Any, model_path: Any, model: Model | None = None) -> tuple
     info = headfile.read_head_info(head)
     agreement = info.get("agreement")
     agreement = float(agreement.get("all", 0.0)) if isinstance(agreement, dict) else 0.0
-    threads = config.n_threads or default_threads()
-    place = dict(n_threads=threads, n_gpu_layers=config.n_gpu_layers, rpc=tuple(config.rpc))
+    place = placement(config)
     if model is None:
         prof, _ = costs.cached(costs.fingerprint(model_path, **place))
         if prof is None:
