@@ -8,6 +8,8 @@ when the demo model is not in the cache.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -392,3 +394,63 @@ def test_training_over_a_draft_vocabulary_and_a_deadline(tiny, tmp_path, monkeyp
     s = train.train_head(base, data, tmp_path / "h.gguf", cfg, use_bar=False, log=lambda m: None, deadline=deadline)
     assert s["planned_steps"] > 100 and 10 <= s["steps"] < s["planned_steps"]
     assert seen and all(v is not None and set(v.tolist()) == set(vprime.tolist()) for v in seen)
+
+
+def test_full_loss_is_cross_entropy_over_every_row():
+    torch = pytest.importorskip("torch")
+
+    g = torch.Generator().manual_seed(0)
+    z, lm_w = torch.randn(6, 8, generator=g), torch.randn(40, 8, generator=g)
+    ids = torch.tensor([[3, 9], [5, -1], [0, 39], [7, 8], [2, -1], [1, 4]])
+    logp = torch.log_softmax(torch.randn(6, 2, generator=g), -1)
+    loss, acc = train.full_loss(z, lm_w, ids, logp)
+    logq = torch.log_softmax(z @ lm_w.T, -1)
+    ref = 0.0
+    for m in range(6):
+        ks = [k for k in range(2) if ids[m, k] >= 0]
+        p = torch.softmax(logp[m, ks], -1)
+        ref -= float(sum(p[j] * logq[m, ids[m, k]] for j, k in enumerate(ks)))
+    assert abs(float(loss) - ref / 6) < 1e-5
+    assert float(acc) == float((logq.argmax(1) == ids[:, 0]).float().mean())
+
+
+@needs_demo
+def test_ablation_options_train_without_a_file(tiny, tmp_path, monkeypatch):
+    """The exit block's forms, the full loss over V', a fixed step count and a share of the data:
+    each trains (the loss falls) and writes no head; a form the runtime cannot run refuses a file."""
+    pytest.importorskip("torch")
+
+    base = tiny[0]
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(2)
+    n_seq, L = 40, 32
+    tokens = rng.integers(0, 300, n_seq * L).astype(np.int32)
+    ids = -np.ones((n_seq * L, 1), np.int32)
+    for s in range(n_seq):  # hard targets: the answer rows hold the next token
+        a = s * L
+        ids[a + 3 : a + L - 1, 0] = tokens[a + 4 : a + L]
+    np.savez(data / "teacher-00000.npz", tokens=tokens, offsets=np.arange(0, n_seq * L + 1, L),
+             n_prompt=np.full(n_seq, 4, np.int32), topk_ids=ids, topk_logp=np.zeros((n_seq * L, 1), np.float16),
+             ids=np.array([f"s{i}" for i in range(n_seq)]), categories=np.array(["code"] * n_seq))
+    train.cache_trunk_states(base, data, (1,), threads=1)
+    monkeypatch.setattr(dv, "draft_vocab", lambda path, size=0, force=False: np.arange(0, 300, dtype=np.int32))
+    for over in ({"block": "attn"}, {"block": "mlp"}, {"loss": "full", "draft_vocab": 300}, {"train_fraction": 0.5}):
+        cfg = train.TrainConfig(exit_layer=1, steps=12, lr=3e-3, batch_tokens=256, top_k=1, negatives=32, threads=1,
+                                eval_every=4, batch_negatives=True, **over)
+        s = train.train_head(base, data, None, cfg, use_bar=False, log=lambda m: None)
+        losses = [h["loss"] for h in s["history"] if "loss" in h]
+        assert s["steps"] == 12 and losses[-1] < losses[0], (over, losses)
+        if "train_fraction" in over:
+            assert s["train_tokens"] <= 0.5 * (n_seq - n_seq // 20) * L
+    assert not list(tmp_path.rglob("*.gguf")) and not list(tmp_path.rglob("*.ckpt"))
+    with pytest.raises(EesdError, match="full exit blocks only"):
+        train.train_head(base, data, tmp_path / "h.gguf", train.TrainConfig(exit_layer=1, block="attn", steps=1),
+                         use_bar=False, log=lambda m: None)
+
+
+def test_training_needs_no_llama_cpp():
+    """The trainer runs where only torch is installed (a GPU machine): importing it loads no llama.cpp."""
+    code = ("import sys; sys.modules['llama_cpp'] = None; sys.modules['numba'] = None; "
+            "import eesd_local.tools.heads.train, eesd_local.tools.heads.torchmodel")
+    subprocess.run([sys.executable, "-c", code], check=True)

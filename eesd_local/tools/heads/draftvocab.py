@@ -26,7 +26,7 @@ from eesd_local.gguf.headfile import fingerprint
 from eesd_local.llama.draftvocab import DRAFT_VOCAB, cached_draft_vocab, vocab_path
 from eesd_local.llama.runtime import Model
 from eesd_local.paths import cache_dir
-from eesd_local.tools.heads import data, teacher
+from eesd_local.tools.heads import data, shards
 
 OWN_ANSWER_WEIGHT = 4  # a token of the model's own answers counts this many times a token of text
 
@@ -38,7 +38,7 @@ def _teacher_tokens(base_path: Path) -> list[np.ndarray]:
         return []
     out = []
     for d in [root, *sorted(p for p in root.iterdir() if p.is_dir())]:
-        for shard in teacher.shard_paths(d):
+        for shard in shards.shard_paths(d):
             try:
                 with np.load(shard) as z:
                     out.append(np.asarray(z["tokens"], dtype=np.int64))

@@ -26,7 +26,7 @@ import numpy as np
 
 from eesd_local.atomic import atomic_path
 from eesd_local.llama.runtime import Model
-from eesd_local.tools.heads import corpus, teacher
+from eesd_local.tools.heads import corpus, shards, teacher
 
 SHARD_ANSWERS = 256  # answers per trainer shard
 
@@ -73,8 +73,8 @@ def build(model_path: Path, corpus_folder: Path, out_root: Path, *, mix: str = "
     out = Path(out_root) / f"corpus-{corpus_key(corpus_folder)}"
     targets = Targets(out)
     answers = found.answers
-    if teacher.shard_paths(out):  # made before for this very corpus: count what it holds
-        for p in teacher.shard_paths(out):
+    if shards.shard_paths(out):  # made before for this very corpus: count what it holds
+        for p in shards.shard_paths(out):
             with np.load(p) as z:
                 targets.answers += len(z["ids"])
                 targets.prompt_tokens += int(z["n_prompt"].sum())

@@ -31,8 +31,7 @@ from eesd_local.gguf.reader import read_header
 from eesd_local.interrupts import interrupt_for
 from eesd_local.llama import runtime
 from eesd_local.tools.heads.data import Item
-
-SHARD_GLOB = "teacher-*.npz"
+from eesd_local.tools.heads.shards import shard_paths
 
 
 @dataclass
@@ -56,10 +55,6 @@ class _Slot:
     fed: int = 0
     ids: list[np.ndarray] = field(default_factory=list)
     logp: list[np.ndarray] = field(default_factory=list)
-
-
-def shard_paths(out_dir: Path) -> list[Path]:
-    return sorted(Path(out_dir).glob(SHARD_GLOB))
 
 
 def done_ids(out_dir: Path) -> set[str]:

@@ -32,7 +32,7 @@ from eesd_local.atomic import atomic_path
 from eesd_local.errors import EesdError
 from eesd_local.gguf.headfile import head_tensors, read_head_info, write_head
 from eesd_local.gguf.reader import read_header
-from eesd_local.tools.heads import draftvocab, teacher
+from eesd_local.tools.heads.shards import shard_paths, trunk_path, trunk_paths
 from eesd_local.tools.heads.torchmodel import Trunk, make_exit_head
 
 
@@ -56,6 +56,10 @@ class TrainConfig:
     # the argmax over V' (what the shared-trunk draft computes)
     draft_vocab: int = 0
     init_from: int | None = None  # base block the exit block starts from (None: the last block)
+    block: str = "full"  # the exit block's form: "full", "attn" (attention only) or "mlp" (MLP only); see BLOCK_FORMS
+    loss: str = "sampled"  # "sampled": softmax over top-k + sampled negatives; "full": over every row (V''s with draft_vocab)
+    train_fraction: float = 1.0  # train on this share of the training sequences, drawn once (held-out set unchanged)
+    steps: int = 0  # a fixed number of steps (0: as many as ``epochs`` make)
     # also take every target token of the batch as a negative (hard targets: the row's own top-1 only, so
     # the tokens it is confused with are in the softmax only when sampled; the batch's targets are those)
     batch_negatives: bool = False
@@ -91,37 +95,25 @@ def teacher_stop_rule(
     return stop_when
 
 
-def trunk_paths(data_dir: Path, n: int) -> list[Path]:
-    return [
-        p.with_name(p.name.replace("teacher-", f"trunk-N{n}-").replace(".npz", ".npy")) for p in teacher.shard_paths(data_dir)
-    ]
-
-
 _TRUNKS: dict = {}
 
 
 def cache_trunk_states(
-    base_path: Path, data_dir: Path, layers: tuple[int, ...], *, threads: int = 2, progress: Callable[[str], None] | None = None
+    base_path: Path, data_dir: Path, layers: tuple[int, ...], *, threads: int = 2, progress: Callable[[str], None] | None = None,
+    device: str = "cpu",
 ) -> None:
     """Compute and save trunk states for every shard lacking them (one trunk pass serves all N)."""
     import torch  # noqa: PLC0415 - torch: optional (train extra)
 
     torch.set_num_threads(threads)
-    shards = teacher.shard_paths(data_dir)
-    todo = [
-        s
-        for s in shards
-        if any(
-            not (_p := s.with_name(s.name.replace("teacher-", f"trunk-N{n}-").replace(".npz", ".npy"))).exists() for n in layers
-        )
-    ]
+    shards = shard_paths(data_dir)
+    todo = [s for s in shards if any(not trunk_path(s, n).exists() for n in layers)]
     if not todo:
         return
-    key = (str(base_path), max(layers))
+    key = (str(base_path), max(layers), device)
     if key not in _TRUNKS:  # loading dequantises the blocks: slow, keep it for the next call
-
         _TRUNKS.clear()
-        _TRUNKS[key] = Trunk(base_path, max(layers))
+        _TRUNKS[key] = Trunk(base_path, max(layers), device=device)
     trunk = _TRUNKS[key]
     for shard in todo:
         t0 = time.time()
@@ -133,7 +125,7 @@ def cache_trunk_states(
             for n in layers:
                 parts[n].append(hs[n])
         for n in layers:
-            out = shard.with_name(shard.name.replace("teacher-", f"trunk-N{n}-").replace(".npz", ".npy"))
+            out = trunk_path(shard, n)
             with atomic_path(out) as tmp:
                 with open(tmp, "wb") as fh:
                     np.save(fh, np.concatenate(parts[n]))
@@ -144,7 +136,7 @@ def cache_trunk_states(
 def load_sequences(data_dir: Path, n: int, top_k: int, max_tokens: int | None = None) -> list[Seq]:
     seqs: list[Seq] = []
     total = 0
-    for shard, tp in zip(teacher.shard_paths(data_dir), trunk_paths(data_dir, n)):
+    for shard, tp in zip(shard_paths(data_dir), trunk_paths(data_dir, n)):
         if not tp.exists():
             continue
         hid = np.load(tp, mmap_mode="r")
@@ -220,22 +212,37 @@ def distill_loss(z, lm_w, ids, logp, neg_ids, keep=None):
     return loss, acc.float().mean()
 
 
+def full_loss(z, lm_w, ids, logp):
+    """Distillation over the whole vocabulary: -sum_j p_j log q(ids_j) with q the student's softmax
+    over every row of ``lm_w`` and p the teacher's top-k probabilities renormalised (entries -1
+    carry none). Exact where ``distill_loss`` samples; it costs a [M, V] product a step."""
+    import torch  # noqa: PLC0415 - torch: optional (train extra)
+
+    logq = torch.log_softmax(z @ lm_w.T, dim=1)  # [M, V]
+    own = logq.gather(1, ids.clamp(min=0))
+    p = torch.softmax(logp.masked_fill(ids < 0, float("-inf")), dim=1)
+    loss = -(p * own).sum(1).mean()
+    acc = logq.argmax(1) == ids[:, 0]
+    return loss, acc.float().mean()
+
+
 def agreement(head, lm_w, seqs: list[Seq], max_seqs: int = 64, vocab=None) -> dict[str, float]:
     """Student argmax over the full vocabulary (or over the ids ``vocab``: V') vs the teacher's
     argmax, on answer rows."""
     import torch  # noqa: PLC0415 - torch: optional (train extra)
 
-    rows_w = lm_w if vocab is None else lm_w[torch.as_tensor(vocab, dtype=torch.long)]
+    dev = lm_w.device
+    rows_w = lm_w if vocab is None else lm_w[torch.as_tensor(vocab, dtype=torch.long, device=dev)]
 
     hits: dict[str, list[int]] = {}
     with torch.inference_mode():
         for s in seqs[:max_seqs]:
-            z = head(torch.from_numpy(s.hid.astype(np.float32)).unsqueeze(0))[0]
+            z = head(torch.from_numpy(s.hid.astype(np.float32)).to(dev).unsqueeze(0))[0]
             a = max(s.n_prompt - 1, 0)
             rows = np.nonzero(s.ids[a:, 0] >= 0)[0] + a
             if len(rows) == 0:
                 continue
-            pred = (z[rows] @ rows_w.T).argmax(-1).numpy()
+            pred = (z[torch.from_numpy(rows).to(dev)] @ rows_w.T).argmax(-1).cpu().numpy()
             if vocab is not None:
                 pred = np.asarray(vocab)[pred]
             ok = (pred == s.ids[rows, 0]).astype(int)
@@ -244,10 +251,22 @@ def agreement(head, lm_w, seqs: list[Seq], max_seqs: int = 64, vocab=None) -> di
     return {k: float(np.mean(v)) for k, v in hits.items() if v}
 
 
+def recipe_line(cfg: TrainConfig, init_head: Path | None, vprime: np.ndarray | None, steps: int) -> str:
+    """How a head was made, in one line (its metadata's ``recipe``; ``eesd heads info`` shows it)."""
+    if init_head is not None:
+        start = f"head {Path(init_head).name}"
+    else:
+        start = "the base's last block" if cfg.init_from is None else f"base block {cfg.init_from}"
+    rows = "the whole vocabulary" if vprime is None else f"V' ({len(vprime)} rows)"
+    loss = f"softmax over {rows}" if cfg.loss == "full" else \
+        f"softmax over the top-{cfg.top_k} + {cfg.negatives} sampled{' + in-batch' if cfg.batch_negatives else ''} negatives in {rows}"
+    return f"exit block {cfg.block} from {start}; {loss}; lr {cfg.lr:g}, {steps} steps of {cfg.batch_tokens} tokens"
+
+
 def train_head(
     base_path: Path,
     data_dir: Path,
-    out_path: Path,
+    out_path: Path | None,
     cfg: TrainConfig,
     *,
     ckpt_path: Path | None = None,
@@ -260,13 +279,17 @@ def train_head(
     init_head: Path | None = None,
     deadline: float | None = None,
 ) -> dict:
-    """Train the exit head on cached shards; write the head GGUF to ``out_path``; return a summary.
+    """Train the exit head on cached shards; write the head GGUF to ``out_path`` (None: no file, for
+    ablations; the only way to train a form the runtime cannot run); return a summary.
 
     ``deadline`` (a ``time.time()`` value): when the planned epochs would end later, the schedule is
     shortened (measured after the first steps) so that training ends by then; the summary says so."""
     import torch  # noqa: PLC0415 - torch: optional (train extra)
 
-
+    if cfg.block != "full" and out_path is not None:
+        raise EesdError(f"the runtime runs full exit blocks only; a {cfg.block!r} head is trained for comparison, without a file")
+    if cfg.loss not in ("sampled", "full"):
+        raise EesdError(f"no loss {cfg.loss!r}", hint="sampled or full")
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
     rng = np.random.default_rng(cfg.seed)
@@ -278,8 +301,11 @@ def train_head(
         )
     held = [s for i, s in enumerate(seqs) if i % cfg.heldout_every == cfg.heldout_every - 1]
     train = [s for i, s in enumerate(seqs) if i % cfg.heldout_every != cfg.heldout_every - 1]
+    if cfg.train_fraction < 1.0:  # a fixed random share: the scaling of agreement with data
+        pick = np.random.default_rng(cfg.seed + 1).permutation(len(train))[: max(1, int(len(train) * cfg.train_fraction))]
+        train = [train[i] for i in sorted(pick)]
     n_tokens = sum(len(s.hid) for s in train)
-    head, lm_w = make_exit_head(base_path, cfg.exit_layer, cfg.init_from)
+    head, lm_w = make_exit_head(base_path, cfg.exit_layer, cfg.init_from, cfg.block)
     if init_head is not None:  # continue from an earlier head (more data, a fresh schedule)
 
         if read_head_info(init_head)["exit_layer"] != cfg.exit_layer:
@@ -297,17 +323,25 @@ def train_head(
     vprime = None  # the draft vocabulary V' (sorted ids) when training over it
     in_v = None
     if cfg.draft_vocab:
+        from eesd_local.tools.heads import draftvocab  # noqa: PLC0415 - it reads the vocabulary with llama.cpp
+
         vprime = draftvocab.draft_vocab(base_path, cfg.draft_vocab).astype(np.int64)
         in_v = torch.zeros(vocab + 1, dtype=torch.bool)  # index vocab = the "no row" id -1
         in_v[torch.from_numpy(vprime)] = True
     pool = np.arange(vocab) if vprime is None else vprime  # negatives are drawn from here
+    rows_w, to_row = lm_w, None  # the full loss: every row of the head, or V''s rows (ids renumbered into V')
+    if cfg.loss == "full" and vprime is not None:
+        rows_w = lm_w[torch.from_numpy(vprime).to(device)]
+        to_row = torch.full((vocab + 1,), -1, dtype=torch.long)
+        to_row[torch.from_numpy(vprime)] = torch.arange(len(vprime))
     uni = (np.bincount(top1, minlength=vocab).astype(np.float64) + 1e-3)[pool]
     uni /= uni.sum()
     epoch_batches = len(_batches(train, cfg.batch_tokens, np.random.default_rng(0)))
-    total_steps = max(1, int(math.ceil(cfg.epochs * epoch_batches)))
+    total_steps = cfg.steps or max(1, int(math.ceil(cfg.epochs * epoch_batches)))
     step, history = 0, []
-    ckpt_path = ckpt_path or Path(str(out_path) + ".ckpt")
-    if ckpt_path.exists():
+    if ckpt_path is None and out_path is not None:
+        ckpt_path = Path(str(out_path) + ".ckpt")
+    if ckpt_path is not None and ckpt_path.exists():
         st = torch.load(ckpt_path, map_location=device, weights_only=False)
         if st.get("exit_layer") == cfg.exit_layer:
             head.load_state_dict(st["head"])
@@ -316,6 +350,8 @@ def train_head(
             log(f"resumed from {ckpt_path} at step {step}")
 
     def save_ckpt() -> None:
+        if ckpt_path is None:
+            return
         with atomic_path(ckpt_path) as tmp:
             torch.save(
                 {
@@ -367,15 +403,19 @@ def train_head(
                     keep_all = in_v[torch.where(ids >= 0, ids, vocab)]
                     valid &= keep_all.any(-1)
                     keep = keep_all[valid].to(device)
-                z = head(h.to(device))[valid]
-                parts = [pool[rng.choice(len(pool), cfg.negatives // 2, p=uni)], rng.choice(pool, cfg.negatives // 2)]
-                if cfg.batch_negatives:
-                    tgt = ids[valid][:, 0].numpy()
-                    parts.append(tgt if in_v is None else tgt[in_v[torch.from_numpy(tgt)].numpy()])
-                neg = np.unique(np.concatenate(parts))
-                loss, acc = distill_loss(
-                    z, lm_w, ids[valid].to(device), lp[valid].to(device), torch.from_numpy(neg).to(device), keep
-                )
+                z = head(h.to(device))[valid.to(device)]
+                if cfg.loss == "full":
+                    tid = ids[valid] if to_row is None else to_row[torch.where(ids[valid] >= 0, ids[valid], vocab)]
+                    loss, acc = full_loss(z, rows_w, tid.to(device), lp[valid].to(device))
+                else:
+                    parts = [pool[rng.choice(len(pool), cfg.negatives // 2, p=uni)], rng.choice(pool, cfg.negatives // 2)]
+                    if cfg.batch_negatives:
+                        tgt = ids[valid][:, 0].numpy()
+                        parts.append(tgt if in_v is None else tgt[in_v[torch.from_numpy(tgt)].numpy()])
+                    neg = np.unique(np.concatenate(parts))
+                    loss, acc = distill_loss(
+                        z, lm_w, ids[valid].to(device), lp[valid].to(device), torch.from_numpy(neg).to(device), keep
+                    )
                 for g in opt.param_groups:
                     g["lr"] = lr_at(step)
                 opt.zero_grad(set_to_none=True)
@@ -433,7 +473,9 @@ def train_head(
         "train_tokens": n_tokens,
         "final_loss": round(loss_ema or float("nan"), 4),
         "agreement": agree,
-        "agreement_note": f"top-1 on held-out answer tokens of the training mix (1 in {cfg.heldout_every} sequences)",
+        "agreement_note": f"top-1{' over V' + chr(39) if vprime is not None else ''} on held-out answer tokens of the "
+                          f"training mix (1 in {cfg.heldout_every} sequences)",
+        "recipe": recipe_line(cfg, init_head, vprime, step),
         "throughput_tok_s": round(tokens_seen / max(elapsed, 1e-9), 1),
         "planned_steps": planned_steps,
         "config": asdict(cfg),
@@ -443,14 +485,15 @@ def train_head(
     if cfg.freeze_mlp:
         h = read_header(Path(base_path))
         summary["ffn_from_base_block"] = int(h.kv[f"{h.kv['general.architecture']}.block_count"]) - 1
-    write_head(
-        out_path,
-        base_path=base_path,
-        exit_layer=cfg.exit_layer,
-        tensors=head.gguf_tensors(skip_mlp=cfg.freeze_mlp),
-        meta=summary,
-        qtype=cfg.head_qtype,
-        force=force,
-    )
+    if out_path is not None:
+        write_head(
+            out_path,
+            base_path=base_path,
+            exit_layer=cfg.exit_layer,
+            tensors=head.gguf_tensors(skip_mlp=cfg.freeze_mlp),
+            meta=summary,
+            qtype=cfg.head_qtype,
+            force=force,
+        )
     summary["interrupted"] = stop["flag"]
     return summary

@@ -1,0 +1,24 @@
+"""The trainer's shard files, by name alone: nothing here needs llama.cpp.
+
+A shard ``teacher-NNNNN.npz`` holds sequences (tokens, offsets, n_prompt, the teacher's top-k ids
+and log-probs, categories); ``trunk-N{n}-NNNNN.npy`` beside it holds the trunk states that enter
+block n for the same tokens. Training reads only these, so it runs where only torch is installed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SHARD_GLOB = "teacher-*.npz"
+
+
+def shard_paths(out_dir: Path) -> list[Path]:
+    return sorted(Path(out_dir).glob(SHARD_GLOB))
+
+
+def trunk_path(shard: Path, n: int) -> Path:
+    return shard.with_name(shard.name.replace("teacher-", f"trunk-N{n}-").replace(".npz", ".npy"))
+
+
+def trunk_paths(data_dir: Path, n: int) -> list[Path]:
+    return [trunk_path(p, n) for p in shard_paths(data_dir)]
