@@ -20,7 +20,7 @@ import pytest
 from eesd_local.cli import main
 from eesd_local.errors import EesdError
 from eesd_local.gguf.headfile import read_head_info
-from eesd_local.tools.heads import corpus, targets, teacher
+from eesd_local.tools.heads import corpus, shards, targets
 from eesd_local.tools.heads.corpus import Answer, CorpusWarning, ModelStamp
 from eesd_local.tools.heads.teacher import chat_formatter
 
@@ -277,7 +277,7 @@ def test_training_reads_the_corpus_with_hard_targets(tiny, prompts, tmp_path, ca
     got = targets.build(tiny, folder, root)
     assert got.answers == 6 and got.left_out == {"its prompt rebuilds to other tokens": 1}
     answers = {a.source: a for a in corpus.read_corpus(folder).answers}
-    (shard,) = teacher.shard_paths(got.folder)
+    (shard,) = shards.shard_paths(got.folder)
     with np.load(shard) as z:
         offsets, n_prompt, ids_, tokens = z["offsets"], z["n_prompt"], z["topk_ids"], z["tokens"]
         sources = [str(x) for x in z["ids"]]
@@ -295,5 +295,8 @@ def test_training_reads_the_corpus_with_hard_targets(tiny, prompts, tmp_path, ca
     assert main(args) == 0
     info = read_head_info(out)
     assert info["data"]["source"] == "corpus" and info["data"]["answer_tokens"] == got.answer_tokens
+    # the corpus recipe (issue 32's ablations): full softmax over V', lr 1e-3, from the base's last block
+    assert info["config"]["loss"] == "full" and info["config"]["lr"] == 1e-3 and info["config"]["draft_vocab"] > 0
+    assert info["recipe"].startswith("exit block full from the base's last block; softmax over V'")
     assert main([*args[:-8], "--corpus", str(tmp_path / "empty"), "--force"]) == 2
     assert "no corpus shards" in capsys.readouterr().err

@@ -220,3 +220,21 @@ def test_a_head_for_another_model_is_one_error_line(qwen05_path, isolated_home):
     errors = [line for line in r.stderr.splitlines() if line.startswith("eesd: error:")]
     assert len(errors) == 1 and "was made for" in errors[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_memory_bound_share_counts_trunk_exit_block_and_vprime_rows(qwen05_path, isolated_home):
+    """s of the eval's projection: blocks 0..N-1 of the base + the exit block + the V' rows, over the
+    bytes a target step reads."""
+    from eesd_local.tools.heads.evaluate import memory_bound_share  # noqa: PLC0415 - the training extra's module
+
+    vocab = np.arange(1000, dtype=np.int32)
+    head = heads.find_head(qwen05_path)
+    n = int(headfile.read_head_info(head)["exit_layer"])
+    base = ggufread.read_header(qwen05_path)
+    built = ggufread.read_header(trunk.build_trunk(qwen05_path, head, vocab))
+    blocks = sum(t.nbytes for name, t in base.tensors.items() if name.startswith("blk.") and int(name.split(".")[1]) < n)
+    exit_block = sum(t.nbytes for name, t in built.tensors.items() if name.startswith(f"blk.{n}."))
+    parts = blocks + exit_block + built.tensors["token_embd.weight"].nbytes + built.tensors["output_norm.weight"].nbytes
+    s = memory_bound_share(qwen05_path, head, vocab)
+    assert abs(s - parts / ggufread.bytes_read_per_token(qwen05_path)) < 1e-9
+    assert 0.1 < s < 0.5

@@ -24,6 +24,7 @@ from eesd_local.gguf.headfile import (
 )
 from eesd_local.interrupts import interrupt_for, terminate_as_interrupt
 from eesd_local.llama.catalog import get_spec, is_present, known_models
+from eesd_local.llama.draftvocab import DRAFT_VOCAB
 from eesd_local.params import MAX_THREADS, check_int, check_number
 from eesd_local.paths import cache_dir, models_dir
 from eesd_local.tools.heads import corpus, data, evaluate, targets, teacher, train
@@ -76,12 +77,19 @@ def register(subparsers) -> None:
     t.add_argument(
         "--draft-vocab",
         type=int,
-        default=DEFAULT_TRAIN_VOCAB,
-        help=f"train the softmax over the shared trunk's draft vocabulary of this size (default {DEFAULT_TRAIN_VOCAB}; "
-        "0: the full vocabulary)",
+        default=None,
+        help=f"train the softmax over the shared trunk's draft vocabulary of this size (0: the full vocabulary; "
+        f"default {DRAFT_VOCAB} with --corpus, where the full loss over every row would cost 3.5x a step, else "
+        f"{DEFAULT_TRAIN_VOCAB})",
     )
     t.add_argument("--epochs", type=float, default=3.0)
-    t.add_argument("--lr", type=float, default=3e-4)
+    t.add_argument("--steps", type=int, default=0,
+                   help="train exactly this many steps (default: as many as --epochs make; --minutes still shortens)")
+    t.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-3 with --corpus, else 3e-4)")
+    t.add_argument("--loss", choices=["sampled", "full"], default=None,
+                   help="sampled: softmax over the teacher's top-k and sampled negatives; full: over every row the "
+                        "head can propose (V' with --draft-vocab): slower a step, more agreement a step "
+                        "(default: full with --corpus, else sampled)")
     t.add_argument("--batch-tokens", type=int, default=2048)
     t.add_argument("--threads", type=int, default=2)
     t.add_argument("--parallel", type=int, default=16, help="sequences the teacher generates together")
@@ -237,10 +245,12 @@ def _train(args: argparse.Namespace, model: Path, data_dir: Path, data_summary: 
     tcfg = train.TrainConfig(
         exit_layer=args.exit_layer,
         epochs=args.epochs,
-        lr=args.lr,
+        steps=args.steps,
+        lr=args.lr if args.lr is not None else (1e-3 if batch_negatives else 3e-4),
+        loss=args.loss or ("full" if batch_negatives else "sampled"),
         batch_tokens=args.batch_tokens,
         threads=args.threads,
-        draft_vocab=args.draft_vocab,
+        draft_vocab=args.draft_vocab if args.draft_vocab is not None else (DRAFT_VOCAB if batch_negatives else DEFAULT_TRAIN_VOCAB),
         batch_negatives=batch_negatives,
     )
     summary = train.train_head(
@@ -287,12 +297,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
     print(f"head {head}  draft {rep['draft']}")
     if rep["cost_ratio"] is not None:
         print(f"draft cost per token / target: {rep['cost_ratio']:.3f}")
+    print(f"memory-bound projection (a PROJECTION, not a measurement): a draft step reads s = "
+          f"{rep['memory_bound_share']:.3f} of a target step; {rep['memory_bound_formula']}")
     for cat, e in rep["categories"].items():
         print(f"\n[{cat}] {e['sequences']} answers, {e['tokens']} tokens, top-1 agreement {e['agreement']:.3f} "
               f"(over the shared trunk's V' of {rep['draft_vocab']}: {e['agreement_vprime']:.3f})")
         print("  k:          " + " ".join(f"{k:>6}" for k in range(1, 9)))
         print("  tau (runs): " + " ".join(f"{e['tau_runs'][k]:>6.2f}" for k in range(1, 9)))
         print("  tau (iid):  " + " ".join(f"{e['tau_iid'][k]:>6.2f}" for k in range(1, 9)))
+        mb = e["speedup_memory_bound"]
+        print("  projected, memory-bound, shared trunk: " + " ".join(f"{mb[k]:>6.2f}" for k in range(1, 9))
+              + f"  (best k = {e['best_k_memory_bound']})")
         if "speedup_gpu_like" in e:
             print("  speedup GPU-like: " + " ".join(f"{e['speedup_gpu_like'][k]:>6.2f}" for k in range(1, 9)))
             print("  speedup this CPU: " + " ".join(f"{e['speedup_cpu'][k]:>6.2f}" for k in range(1, 9)))

@@ -21,9 +21,11 @@ import numpy as np
 
 from eesd_local.errors import EesdError
 from eesd_local.gguf.headfile import build_draft, fingerprint
+from eesd_local.gguf.reader import bytes_read_per_token
 from eesd_local.llama.draftvocab import DRAFT_VOCAB
+from eesd_local.llama.trunk import build_trunk
 from eesd_local.paths import cache_dir
-from eesd_local.tools.heads import teacher
+from eesd_local.tools.heads import shards, teacher
 from eesd_local.tools.heads.data import Item
 from eesd_local.tools.heads.draftvocab import draft_vocab
 
@@ -79,7 +81,7 @@ def draft_agreement(draft_path: Path, answers_dir: Path, *, threads: int = 2, vo
     runner = teacher.LlamaRunner(Path(draft_path), n_parallel=1, n_ctx_per_seq=2048, threads=threads)
     out = []
     try:
-        for shard in teacher.shard_paths(answers_dir):
+        for shard in shards.shard_paths(answers_dir):
             with np.load(shard) as z:
                 tokens, offsets, n_prompt, cats, ids = z["tokens"], z["offsets"], z["n_prompt"], z["categories"], z["ids"]
             for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
@@ -144,6 +146,20 @@ def measure_cost(model_path: Path, draft_path: Path, *, threads: int = 2, reps: 
             r.close()
 
 
+MEMORY_BOUND_FORMULA = (
+    "tau_V'(k) / (1 + k * s): a verify of k+1 tokens reads the target's weights once (1); a draft step of the shared "
+    "trunk reads s = (blocks 0..N-1 + the exit block + the V' rows of the LM head) / the target's bytes per token; "
+    "tau_V'(k) = mean over answers of the tokens a round emits with k drafted, from the runs of the V' draft's "
+    "agreement. The verify reuses the drafted rows' trunk states (compute saved), but the last drafted row still "
+    "needs its trunk pass, so in bytes the trunk is paid once per draft step")
+
+
+def memory_bound_share(model_path: Path, head_path: Path, vocab: np.ndarray) -> float:
+    """s of MEMORY_BOUND_FORMULA: the shared trunk's bytes per draft step over the target's per token."""
+    trunk = build_trunk(model_path, head_path, vocab)
+    return bytes_read_per_token(trunk) / max(1, bytes_read_per_token(model_path))
+
+
 def evaluate(
     model_path: Path,
     head_path: Path,
@@ -159,6 +175,7 @@ def evaluate(
     draft = build_draft(model_path, head_path)
     vocab = draft_vocab(model_path, vocab_size or DRAFT_VOCAB).astype(np.int64)
     per_seq = draft_agreement(draft, answers, threads=threads, vocab=vocab)
+    share = memory_bound_share(model_path, head_path, vocab)
     cats: dict[str, list[np.ndarray]] = {}
     cats_v: dict[str, list[np.ndarray]] = {}
     for r in per_seq:
@@ -174,6 +191,8 @@ def evaluate(
         "prompts": str(prompts_path),
         "cost_ratio": cost,
         "draft_vocab": int(len(vocab)),
+        "memory_bound_share": round(share, 4),
+        "memory_bound_formula": MEMORY_BOUND_FORMULA,
         "categories": {},
     }
     for cat, arrs in cats.items():
@@ -188,6 +207,10 @@ def evaluate(
             "tau_runs": taus,
             "tau_iid": {k: round(tau_iid(a, k), 3) for k in range(1, 9)},
         }
+        taus_v = {k: statistics.mean(tau_from_runs(x, k) for x in cats_v[cat] if len(x)) for k in range(1, 9)}
+        mb = {k: round(taus_v[k] / (1.0 + k * share), 3) for k in range(1, 9)}
+        entry["speedup_memory_bound"] = mb  # PROJECTION (formula above), not a measurement
+        entry["best_k_memory_bound"] = max(mb, key=lambda k: mb[k])
         if cost is not None:
             entry["speedup_gpu_like"] = {k: round(taus[k] / (k * cost + 1.0), 3) for k in range(1, 9)}
             entry["speedup_cpu"] = {k: round(taus[k] / (k * cost + cpu_batch_cost(k + 1)), 3) for k in range(1, 9)}
