@@ -234,11 +234,12 @@ def _train_from_corpus(args: argparse.Namespace, model: Path, deadline: float, t
         raise EesdError(f"no answer of {folder} could be used: {got.left_out}")
     left = "; left out: " + ", ".join(f"{n} ({why})" for why, n in got.left_out.items()) if got.left_out else ""
     print(f"corpus {folder}: {got.answers} answers, {got.answer_tokens} answer tokens (hard targets){left}", file=sys.stderr)
-    return _train(args, model, got.folder, got.summary(), deadline, t_start, batch_negatives=True)
+    return _train(args, model, got.folder, got.summary(), deadline, t_start, corpus=True)
 
 
 def _train(args: argparse.Namespace, model: Path, data_dir: Path, data_summary: dict, deadline: float, t_start: float,
-           *, batch_negatives: bool = False) -> int:
+           *, corpus: bool = False) -> int:
+    """Trunk states, then training; hard corpus targets get the corpus recipe's defaults (models/README.md)."""
     train.cache_trunk_states(
         model, data_dir, (args.exit_layer,), threads=args.threads, progress=lambda m: print(m, file=sys.stderr)
     )
@@ -246,12 +247,12 @@ def _train(args: argparse.Namespace, model: Path, data_dir: Path, data_summary: 
         exit_layer=args.exit_layer,
         epochs=args.epochs,
         steps=args.steps,
-        lr=args.lr if args.lr is not None else (1e-3 if batch_negatives else 3e-4),
-        loss=args.loss or ("full" if batch_negatives else "sampled"),
+        lr=args.lr if args.lr is not None else (1e-3 if corpus else 3e-4),
+        loss=args.loss or ("full" if corpus else "sampled"),
         batch_tokens=args.batch_tokens,
         threads=args.threads,
-        draft_vocab=args.draft_vocab if args.draft_vocab is not None else (DRAFT_VOCAB if batch_negatives else DEFAULT_TRAIN_VOCAB),
-        batch_negatives=batch_negatives,
+        draft_vocab=args.draft_vocab if args.draft_vocab is not None else (DRAFT_VOCAB if corpus else DEFAULT_TRAIN_VOCAB),
+        batch_negatives=corpus,
     )
     summary = train.train_head(
         model,

@@ -399,13 +399,14 @@ def train_head(
                 h, ids, lp, _ = _pad(train, idx)
                 valid = ids[..., 0] >= 0
                 keep = None
+                row_ids = torch.where(ids >= 0, ids, vocab)  # -1 ("no row") as index vocab
                 if in_v is not None:  # top-k entries the V' head can propose; rows with none are skipped
-                    keep_all = in_v[torch.where(ids >= 0, ids, vocab)]
+                    keep_all = in_v[row_ids]
                     valid &= keep_all.any(-1)
                     keep = keep_all[valid].to(device)
                 z = head(h.to(device))[valid.to(device)]
                 if cfg.loss == "full":
-                    tid = ids[valid] if to_row is None else to_row[torch.where(ids[valid] >= 0, ids[valid], vocab)]
+                    tid = ids[valid] if to_row is None else to_row[row_ids[valid]]
                     loss, acc = full_loss(z, rows_w, tid.to(device), lp[valid].to(device))
                 else:
                     parts = [pool[rng.choice(len(pool), cfg.negatives // 2, p=uni)], rng.choice(pool, cfg.negatives // 2)]
@@ -473,8 +474,8 @@ def train_head(
         "train_tokens": n_tokens,
         "final_loss": round(loss_ema or float("nan"), 4),
         "agreement": agree,
-        "agreement_note": f"top-1{' over V' + chr(39) if vprime is not None else ''} on held-out answer tokens of the "
-                          f"training mix (1 in {cfg.heldout_every} sequences)",
+        "agreement_note": ("top-1" if vprime is None else "top-1 over V'")
+                          + f" on held-out answer tokens of the training mix (1 in {cfg.heldout_every} sequences)",
         "recipe": recipe_line(cfg, init_head, vprime, step),
         "throughput_tok_s": round(tokens_seen / max(elapsed, 1e-9), 1),
         "planned_steps": planned_steps,
