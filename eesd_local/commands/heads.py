@@ -72,6 +72,9 @@ def register(subparsers) -> None:
         help="train on the teacher corpus (models/corpus/MODEL, or FOLDER) with hard targets, the model's greedy "
         "answer tokens; no teacher runs (eesd heads corpus grow adds answers)",
     )
+    t.add_argument("--corpus-shards", type=int, default=None, metavar="N",
+                   help="train on the corpus' first N shards only: the corpus as it was when a head was made "
+                        "(eesd heads info HEAD names its corpus_shards); default: every shard")
     t.add_argument("--init-head", type=Path, default=None, help="start from this head's exit block (more data for a head)")
     t.add_argument("--mix", choices=sorted(MIXES), default=DEFAULT_MIX, help=f"training data (default {DEFAULT_MIX})")
     t.add_argument(
@@ -181,6 +184,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise EesdError("--device cuda was asked for but PyTorch sees no CUDA device", hint="use --device cpu")
     if args.init_head is not None:
         check_head_for_training(model, args.init_head, args.exit_layer)
+    if args.corpus_shards is not None and args.corpus is None:
+        raise EesdError("--corpus-shards picks shards of the teacher corpus", hint="add --corpus")
     if args.corpus is not None:
         return _train_from_corpus(args, model, deadline, t_start)
     data_dir = args.data or cache_dir("heads-data") / fingerprint(model) / args.mix
@@ -229,11 +234,11 @@ def _train_from_corpus(args: argparse.Namespace, model: Path, deadline: float, t
                   console=Console(stderr=True)) as bar:
         task = bar.add_task("targets", total=None)
         got = targets.build(model, folder, cache_dir("heads-data") / fingerprint(model),
-                            progress=lambda i, n: bar.update(task, completed=i, total=n))
+                            progress=lambda i, n: bar.update(task, completed=i, total=n), first=args.corpus_shards)
     if not got.answers:
         raise EesdError(f"no answer of {folder} could be used: {got.left_out}")
     left = "; left out: " + ", ".join(f"{n} ({why})" for why, n in got.left_out.items()) if got.left_out else ""
-    print(f"corpus {folder}: {got.answers} answers, {got.answer_tokens} answer tokens (hard targets){left}", file=sys.stderr)
+    print(f"corpus {folder} (its first {got.shards} shards, to {got.last_shard}): {got.answers} answers, {got.answer_tokens} answer tokens (hard targets){left}", file=sys.stderr)
     return _train(args, model, got.folder, got.summary(), deadline, t_start, corpus=True)
 
 

@@ -291,14 +291,16 @@ def _warn(path: Path, why: str) -> None:
 
 
 def read_corpus(
-    folder: Path, *, model: ModelStamp | None = None, on_skip: Callable[[Path, str], None] = _warn
+    folder: Path, *, model: ModelStamp | None = None, on_skip: Callable[[Path, str], None] = _warn,
+    first: int | None = None,
 ) -> Corpus:
-    """Every readable shard of ``folder``. Shards made by another model than ``model`` (or, without one, by
-    another model than the first shard's) are refused with an EesdError naming both; damaged shards and
-    shards holding a token id outside the writer's vocabulary are skipped through ``on_skip``."""
+    """Every readable shard of ``folder`` (only the ``first`` shards when given: the corpus as it was
+    when a head was made). Shards made by another model than ``model`` (or, without one, by another
+    model than the first shard's) are refused with an EesdError naming both; damaged shards and shards
+    holding a token id outside the writer's vocabulary are skipped through ``on_skip``."""
     corpus = Corpus(Path(folder))
     seen: set[str] = set()
-    for path in shard_paths(folder):
+    for path in shard_paths(folder)[:first]:
         try:
             shard = read_shard(path)
             stamp = ModelStamp(**shard.header["model"])

@@ -8,10 +8,11 @@ verification and speculative sampling (q(d) = 0 outside V') handle exactly; the 
 a target token outside V', which the draft cannot propose.
 
 Frequencies come from text like the model's answers, never from held-out prompts: the
-model's own greedy answers from the head-training teacher cache when one exists (counted
-four times over), and the training split of the ShareGPT assistant turns and of the stdlib
-source (models/README.md's held-out rules). The end-of-generation tokens are always in V'.
-The list is computed once per model and size and cached.
+training split of the ShareGPT assistant turns and of the stdlib source (models/README.md's
+held-out rules), read from the installed packages, so that every machine computes the same V'
+(it once also counted the head-training teacher cache, which made V' depend on what a machine
+had trained before: a head trained on one V' ran with another). The end-of-generation tokens
+are always in V'. The list is computed once per model and size and cached.
 """
 
 from __future__ import annotations
@@ -22,36 +23,14 @@ import numpy as np
 
 from eesd_local import cachefile
 from eesd_local.errors import EesdError
-from eesd_local.gguf.headfile import fingerprint
 from eesd_local.llama.draftvocab import DRAFT_VOCAB, cached_draft_vocab, vocab_path
 from eesd_local.llama.runtime import Model
-from eesd_local.paths import cache_dir
-from eesd_local.tools.heads import data, shards
-
-OWN_ANSWER_WEIGHT = 4  # a token of the model's own answers counts this many times a token of text
-
-
-def _teacher_tokens(base_path: Path) -> list[np.ndarray]:
-    """Token arrays of the model's own answers in the head-training teacher cache (if any)."""
-    root = cache_dir("heads-data") / fingerprint(base_path)  # where `eesd heads train` keeps its teacher data
-    if not root.is_dir():
-        return []
-    out = []
-    for d in [root, *sorted(p for p in root.iterdir() if p.is_dir())]:
-        for shard in shards.shard_paths(d):
-            try:
-                with np.load(shard) as z:
-                    out.append(np.asarray(z["tokens"], dtype=np.int64))
-            except (OSError, KeyError, ValueError):
-                continue
-    return out
+from eesd_local.tools.heads import data
 
 
 def token_counts(base_path: Path, n_vocab: int, *, max_chars: int = 16_000_000) -> np.ndarray:
-    """How often the model would write each token, from its own answers and from training text."""
+    """How often the model would write each token, from training text (the same on every machine)."""
     counts = np.zeros(n_vocab, dtype=np.int64)
-    for toks in _teacher_tokens(base_path):
-        counts += OWN_ANSWER_WEIGHT * np.bincount(toks[(toks >= 0) & (toks < n_vocab)], minlength=n_vocab)
     model = Model(base_path, vocab_only=True)
     try:
         items = data.interleave(data.sharegpt_text_items(), data.source_items(), weights=(0.7, 0.3))

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from eesd_local.atomic import atomic_path
+from eesd_local.errors import EesdError
 from eesd_local.llama.runtime import Model
 from eesd_local.tools.heads import corpus, shards, teacher
 
@@ -38,15 +39,19 @@ class Targets:
     answer_tokens: int = 0
     prompt_tokens: int = 0
     left_out: dict[str, int] = field(default_factory=dict)  # why -> answers
+    shards: int = 0  # the corpus' shards it was made from (its first ones)
+    last_shard: str = ""  # the name of the last of them
 
     def summary(self) -> dict:
         return {"source": "corpus", "targets": "hard (the model's greedy answer token)", "answers": self.answers,
-                "answer_tokens": self.answer_tokens, "prompt_tokens": self.prompt_tokens, "left_out": self.left_out}
+                "answer_tokens": self.answer_tokens, "prompt_tokens": self.prompt_tokens, "left_out": self.left_out,
+                "corpus_shards": self.shards, "last_shard": self.last_shard}
 
 
-def corpus_key(folder: Path) -> str:
-    """A name for the corpus' content: its shard files' names (they carry a hash of their bytes)."""
-    names = "\n".join(p.name for p in corpus.shard_paths(folder))
+def corpus_key(folder: Path, first: int | None = None) -> str:
+    """A name for the corpus' content (its ``first`` shards when given): the shard files' names (they carry
+    a hash of their bytes)."""
+    names = "\n".join(p.name for p in corpus.shard_paths(folder)[:first])
     return hashlib.sha256(names.encode()).hexdigest()[:12]
 
 
@@ -65,13 +70,19 @@ def hard_targets(tokens: np.ndarray, n_prompt: int) -> tuple[np.ndarray, np.ndar
 
 
 def build(model_path: Path, corpus_folder: Path, out_root: Path, *, mix: str = "own",
-          progress: Callable[[int, int], None] | None = None) -> Targets:
-    """The trainer's shards for the corpus in ``corpus_folder`` (made by ``model_path``'s model), under
-    ``out_root``/corpus-KEY; reused when they are there already."""
+          progress: Callable[[int, int], None] | None = None, first: int | None = None) -> Targets:
+    """The trainer's shards for the corpus in ``corpus_folder`` (made by ``model_path``'s model; only its
+    ``first`` shards when given), under ``out_root``/corpus-KEY; reused when they are there already."""
     stamp = corpus.ModelStamp.of(model_path)
-    found = corpus.read_corpus(corpus_folder, model=stamp)  # another model's corpus: refused, naming both
-    out = Path(out_root) / f"corpus-{corpus_key(corpus_folder)}"
-    targets = Targets(out)
+    paths = corpus.shard_paths(corpus_folder)
+    if first is not None and not 1 <= first <= len(paths):
+        raise EesdError(f"the corpus {corpus_folder} has {len(paths)} shards, not {first}",
+                        hint=f"--corpus-shards 1..{len(paths)}, or leave it out for all of them")
+    paths = paths[:first]
+    # another model's corpus: refused, naming both
+    found = corpus.read_corpus(corpus_folder, model=stamp, first=first)
+    out = Path(out_root) / f"corpus-{corpus_key(corpus_folder, first)}"
+    targets = Targets(out, shards=len(paths), last_shard=paths[-1].name if paths else "")
     answers = found.answers
     if shards.shard_paths(out):  # made before for this very corpus: count what it holds
         for p in shards.shard_paths(out):
