@@ -289,6 +289,29 @@ def test_training_reads_the_corpus_with_hard_targets(tiny, prompts, tmp_path, ca
     mtime = shard.stat().st_mtime_ns
     again = targets.build(tiny, folder, root)
     assert again.folder == got.folder and again.answers == 6 and shard.stat().st_mtime_ns == mtime
+    # soft targets (issue 32's KL-vs-CE ablation): the picked sequence gets the model's top-k at each answer
+    # row from one teacher-forced prefill, the others keep their hard target; everything else is mirrored
+    soft = targets.soft_targets(tiny, got.folder, tmp_path / "soft", {0}, k=4, threads=1)
+    n0 = int(offsets[1] - offsets[0]) - int(n_prompt[0])
+    assert soft["sequences"] == 1 and soft["rows"] == n0 and soft["argmax_is_answer"] >= 0.9
+    with np.load(tmp_path / "soft" / shard.name) as z:
+        assert np.array_equal(z["tokens"], tokens) and np.array_equal(z["offsets"], offsets)
+        sid, slp = z["topk_ids"], z["topk_logp"].astype(np.float32)
+    a, n, b = int(offsets[0]), int(n_prompt[0]), int(offsets[1])
+    rows = slice(a + n - 1, b - 1)
+    assert sid.shape[1] == 4 and (sid[rows] >= 0).all() and (slp[rows] <= 0).all()
+    assert (np.diff(slp[rows], axis=1) <= 1e-3).all()  # log-probs, best first
+    assert abs(float((sid[rows, 0] == ids_[rows, 0]).mean()) - soft["argmax_is_answer"]) < 1e-3
+    assert (sid[a : a + n - 1] == -1).all() and (sid[b - 1] == -1).all()  # prompt rows and the last: no target
+    assert (sid[b:, 1:] == -1).all() and np.array_equal(sid[b:, 0], ids_[b:, 0])  # the others: hard, as they were
+    # the corpus as it was when a head was made: its first shards only, kept apart from the whole corpus
+    n_shards = len(corpus.shard_paths(folder))
+    assert got.shards == n_shards and got.summary()["last_shard"] == corpus.shard_paths(folder)[-1].name
+    pinned = targets.build(tiny, folder, root, first=n_shards - 1)
+    assert pinned.folder != got.folder and pinned.shards == n_shards - 1 and pinned.answers == 6 and not pinned.left_out
+    for bad in (0, n_shards + 1):
+        with pytest.raises(EesdError, match=f"has {n_shards} shards, not {bad}"):
+            targets.build(tiny, folder, root, first=bad)
     out = tmp_path / "corpus-head.gguf"
     args = ["heads", "train", "--model", str(tiny), "--exit-layer", "2", "-o", str(out), "--corpus", str(folder),
             "--epochs", "1", "--threads", "1", "--batch-tokens", "512"]
@@ -298,5 +321,8 @@ def test_training_reads_the_corpus_with_hard_targets(tiny, prompts, tmp_path, ca
     # the corpus recipe (issue 32's ablations): full softmax over V', lr 1e-3, from the base's last block
     assert info["config"]["loss"] == "full" and info["config"]["lr"] == 1e-3 and info["config"]["draft_vocab"] > 0
     assert info["recipe"].startswith("exit block full from the base's last block; softmax over V'")
+    assert info["data"]["corpus_shards"] == n_shards
     assert main([*args[:-8], "--corpus", str(tmp_path / "empty"), "--force"]) == 2
     assert "no corpus shards" in capsys.readouterr().err
+    assert main([*args[:-8], "--corpus-shards", "1", "--force"]) == 2
+    assert "--corpus-shards picks shards of the teacher corpus" in capsys.readouterr().err

@@ -396,6 +396,22 @@ def test_training_over_a_draft_vocabulary_and_a_deadline(tiny, tmp_path, monkeyp
     assert seen and all(v is not None and set(v.tolist()) == set(vprime.tolist()) for v in seen)
 
 
+@needs_demo
+def test_the_draft_vocabulary_does_not_depend_on_what_the_cache_holds(tiny, tmp_path, monkeypatch):
+    """V' is counted from training text alone: a head trained on one machine runs with the same V' on
+    another, whatever teacher data either had cached (it once counted that cache, so a fresh clone's
+    recipe trained over another V' than the shipped head's)."""
+    base = tiny[0]  # the demo model's tokenizer
+    real = dv.token_counts
+    monkeypatch.setattr(dv, "token_counts", lambda path, n, **kw: real(path, n, max_chars=300_000))
+    v = dv.draft_vocab(base, 100)
+    rare = np.setdiff1d(np.arange(20_000), v)[-40:]
+    cached = tmp_path / "home" / "heads-data" / fingerprint(base) / "own"  # where `eesd heads train` keeps a teacher
+    cached.mkdir(parents=True)
+    np.savez(cached / "teacher-00000.npz", tokens=np.tile(rare, 20_000).astype(np.int32))
+    assert np.array_equal(dv.draft_vocab(base, 100, force=True), v)
+
+
 def test_full_loss_is_cross_entropy_over_every_row():
     torch = pytest.importorskip("torch")
 

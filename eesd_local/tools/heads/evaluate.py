@@ -15,6 +15,7 @@ import hashlib
 import json
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -74,10 +75,12 @@ def target_answers(model_path: Path, prompts_path: Path, *, max_new: int = 128, 
     return out
 
 
-def draft_agreement(draft_path: Path, answers_dir: Path, *, threads: int = 2, vocab: np.ndarray | None = None) -> list[dict]:
+def draft_agreement(draft_path: Path, answers_dir: Path, *, threads: int = 2, vocab: np.ndarray | None = None,
+                    more_vocabs: Sequence[np.ndarray] = ()) -> list[dict]:
     """Per sequence: category and the boolean agreement of the draft's argmax on answer tokens;
     with ``vocab`` (the shared trunk's V') also ``agree_v``: the argmax over those rows only, which
-    is what the V' head computes (its rows are the same rows of the same requantized LM head)."""
+    is what the V' head computes (its rows are the same rows of the same requantized LM head);
+    ``agree_more``: the same over each of ``more_vocabs`` (other V' sizes, one pass of the draft)."""
     runner = teacher.LlamaRunner(Path(draft_path), n_parallel=1, n_ctx_per_seq=2048, threads=threads)
     out = []
     try:
@@ -87,6 +90,7 @@ def draft_agreement(draft_path: Path, answers_dir: Path, *, threads: int = 2, vo
             for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
                 seq = tokens[a:b].tolist()
                 preds, preds_v = [], []
+                preds_more: list[list[np.ndarray]] = [[] for _ in more_vocabs]
                 runner.clear_seq(0)
                 for c in range(0, len(seq) - 1, runner.n_batch):
                     chunk = seq[c : min(c + runner.n_batch, len(seq) - 1)]
@@ -94,12 +98,16 @@ def draft_agreement(draft_path: Path, answers_dir: Path, *, threads: int = 2, vo
                     preds.append(logits.argmax(-1))
                     if vocab is not None:
                         preds_v.append(vocab[logits[:, vocab].argmax(-1)])
+                    for v, got in zip(more_vocabs, preds_more):
+                        got.append(v[logits[:, v].argmax(-1)])
                 pred = np.concatenate(preds)  # pred[j] predicts seq[j+1]
                 p0 = int(n_prompt[i])
                 ok = pred[p0 - 1 :] == np.asarray(seq[p0:])
                 rec = {"id": str(ids[i]), "category": str(cats[i]), "agree": ok}
                 if vocab is not None:
                     rec["agree_v"] = np.concatenate(preds_v)[p0 - 1 :] == np.asarray(seq[p0:])
+                if more_vocabs:
+                    rec["agree_more"] = [np.concatenate(g)[p0 - 1 :] == np.asarray(seq[p0:]) for g in preds_more]
                 out.append(rec)
     finally:
         runner.close()

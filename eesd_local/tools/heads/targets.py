@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,3 +146,65 @@ def build(model_path: Path, corpus_folder: Path, out_root: Path, *, mix: str = "
     if partial.exists():
         partial.rename(out)
     return targets
+
+
+def soft_targets(model_path: Path, hard: Path, out: Path, pick: set[int], *, k: int = 16, threads: int = 2,
+                 progress: Callable[[int, int], None] | None = None) -> dict:
+    """Trainer shards in ``out`` that mirror ``hard``'s (same sequences, same order; trunk states linked,
+    not copied) with soft targets for the sequences numbered in ``pick`` (counted over every shard, in
+    order): the model's top-``k`` log-probs at every answer row, from one teacher-forced prefill of prompt
+    + answer. Other sequences keep their hard targets. Returns rows labelled and seconds (the cost side of
+    "agreement per CPU-minute")."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = shards.shard_paths(hard)
+    longest = 0
+    for p in paths:
+        with np.load(p) as z:
+            longest = max(longest, int(np.diff(z["offsets"]).max()))
+    runner = teacher.LlamaRunner(model_path, n_parallel=1, n_ctx_per_seq=longest + 8, threads=threads)
+    n_batch = runner.n_batch
+    rows = done = seq_no = same = 0
+    t0 = time.time()
+    try:
+        for p in paths:
+            with np.load(p) as z:
+                arrays = {name: z[name] for name in z.files}
+            tokens, offsets, n_prompt = arrays["tokens"], arrays["offsets"], arrays["n_prompt"]
+            ids = -np.ones((len(tokens), k), np.int32)
+            logp = np.zeros((len(tokens), k), np.float16)
+            ids[:, 0] = arrays["topk_ids"][:, 0]
+            for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
+                a, b, n = int(a), int(b), int(n_prompt[i])
+                if seq_no in pick and b - a > n:
+                    runner.clear_seq(0)
+                    first, last = n - 1, b - a - 2  # rows that predict an answer token
+                    got = []
+                    for c in range(0, b - a - 1, n_batch):
+                        pos = range(c, min(c + n_batch, b - a - 1))
+                        want = [first <= j <= last for j in pos]
+                        logits = runner.decode([(int(tokens[a + j]), j, 0) for j in pos], want)
+                        if any(want):
+                            got.append(teacher.topk_rows(np.array(logits), k))
+                    ids[a + first : a + last + 1] = np.concatenate([g[0] for g in got])
+                    logp[a + first : a + last + 1] = np.concatenate([g[1] for g in got])
+                    same += int((ids[a + first : a + last + 1, 0] == arrays["topk_ids"][a + first : a + last + 1, 0]).sum())
+                    rows += last - first + 1
+                    done += 1
+                    if progress:
+                        progress(done, len(pick))
+                seq_no += 1
+            arrays["topk_ids"], arrays["topk_logp"] = ids, logp
+            with atomic_path(out / p.name) as tmp:
+                with open(tmp, "wb") as fh:
+                    np.savez(fh, **arrays)
+            for trunk in p.parent.glob(p.name.replace("teacher-", "trunk-N*-").replace(".npz", ".npy")):
+                link = out / trunk.name
+                if not link.exists():
+                    link.symlink_to(trunk.resolve())
+    finally:
+        runner.close()
+    # same: rows whose teacher-forced argmax is the corpus' answer token (greedy generation in a batch of
+    # 48 vs one prefill: they differ only where the two best logits tie within the batch noise)
+    return {"sequences": done, "rows": rows, "seconds": round(time.time() - t0, 1), "k": k,
+            "argmax_is_answer": round(same / max(rows, 1), 4)}

@@ -136,21 +136,23 @@ class LlamaRunner:
     def is_eog(self, token: int) -> bool:
         return bool(self.L.llama_vocab_is_eog(self.vocab, token))
 
-    def decode(self, entries: list[tuple[int, int, int]]) -> np.ndarray:
-        """Decode (token, pos, seq) entries, all with logits; return the logits [n, vocab] (a view)."""
+    def decode(self, entries: list[tuple[int, int, int]], outputs: list[bool] | None = None) -> np.ndarray:
+        """Decode (token, pos, seq) entries, all with logits (or those ``outputs`` marks); return the logits
+        [rows with logits, vocab] in the entries' order (a view)."""
         b = self.batch
         for i, (tok, pos, seq) in enumerate(entries):
             b.token[i] = tok
             b.pos[i] = pos
             b.n_seq_id[i] = 1
             b.seq_id[i][0] = seq
-            b.logits[i] = 1
+            b.logits[i] = 1 if outputs is None or outputs[i] else 0
         b.n_tokens = len(entries)
+        n_out = len(entries) if outputs is None else sum(map(bool, outputs))
         rc = self.L.llama_decode(self.ctx, b)
         if rc != 0:
             raise RuntimeError(f"llama_decode returned {rc}")
         ptr = self.L.llama_get_logits(self.ctx)
-        return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(len(entries), self.n_vocab))
+        return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(n_out, self.n_vocab))
 
     def clear_seq(self, seq: int) -> None:
         self.L.llama_memory_seq_rm(self.mem, seq, -1, -1)
