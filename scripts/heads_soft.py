@@ -26,18 +26,17 @@ from pathlib import Path
 
 import numpy as np
 
+from eesd_local.llama.catalog import resolve_model
+from eesd_local.tools.heads import shards, targets, train
 
-def training_picks(data: Path, fraction: float, *, heldout_every: int = 20, seed: int = 0) -> list[int]:
-    """The sequence numbers ``train_head`` trains on with ``train_fraction=fraction`` (same rule, same seed)."""
-    from eesd_local.tools.heads import shards  # noqa: PLC0415
 
+def training_picks(data: Path, fraction: float) -> list[int]:
+    """The sequence numbers ``train_head`` trains on with ``train_fraction=fraction`` (its own split)."""
     n = 0
     for p in shards.shard_paths(data):
         with np.load(p) as z:
             n += len(z["offsets"]) - 1
-    train = [i for i in range(n) if i % heldout_every != heldout_every - 1]
-    pick = np.random.default_rng(seed + 1).permutation(len(train))[: max(1, int(len(train) * fraction))]
-    return sorted(train[i] for i in pick)
+    return train.split(n, heldout_every=train.TrainConfig.heldout_every, train_fraction=fraction)[1]
 
 
 def main() -> None:
@@ -53,9 +52,6 @@ def main() -> None:
     ap.add_argument("--runs", default="hard,soft,hard2x")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/heads/ablation/soft-cpu.jsonl"))
     args = ap.parse_args()
-
-    from eesd_local.llama.catalog import resolve_model  # noqa: PLC0415
-    from eesd_local.tools.heads import targets, train  # noqa: PLC0415
 
     base = resolve_model(args.model)
     soft_dir = args.work / f"soft-k{args.k}-f{args.fraction:g}"

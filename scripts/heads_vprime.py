@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
 import numpy as np
+
+from eesd_local.gguf.headfile import build_draft, find_head
+from eesd_local.llama.catalog import resolve_model
+from eesd_local.tools.heads import evaluate, shards
+from eesd_local.tools.heads.draftvocab import draft_vocab
 
 SIZES = (8192, 16384, 32768, 65536)
 
@@ -32,11 +36,6 @@ def main() -> None:
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
     ap.add_argument("--out", type=Path, default=Path("benchmarks/heads/vprime-0.5b.json"))
     args = ap.parse_args()
-
-    from eesd_local.gguf.headfile import build_draft, find_head  # noqa: PLC0415
-    from eesd_local.llama.catalog import resolve_model  # noqa: PLC0415
-    from eesd_local.tools.heads import evaluate, shards  # noqa: PLC0415
-    from eesd_local.tools.heads.draftvocab import draft_vocab  # noqa: PLC0415
 
     model = resolve_model(args.model)
     head = args.head or find_head(model)
@@ -63,8 +62,7 @@ def main() -> None:
                     cats.setdefault(key, []).append(r["agree_more"][j])
             out = rows["prompts"].setdefault(Path(prompts).name, {})
             for cat, arrs in cats.items():
-                taus = {k: statistics.mean(evaluate.tau_from_runs(x, k) for x in arrs if len(x)) for k in range(1, 9)}
-                mb = {k: taus[k] / (1.0 + k * share[n]) for k in taus}
+                mb = evaluate.memory_bound_speedup(arrs, share[n])
                 best = max(mb, key=lambda k: mb[k])
                 out[cat] = {"coverage": round(float(np.isin(np.concatenate(tokens[cat]), v).mean()), 4),
                             "agreement": round(float(np.mean(np.concatenate(arrs))), 4),

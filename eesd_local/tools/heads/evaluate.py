@@ -82,6 +82,7 @@ def draft_agreement(draft_path: Path, answers_dir: Path, *, threads: int = 2, vo
     is what the V' head computes (its rows are the same rows of the same requantized LM head);
     ``agree_more``: the same over each of ``more_vocabs`` (other V' sizes, one pass of the draft)."""
     runner = teacher.LlamaRunner(Path(draft_path), n_parallel=1, n_ctx_per_seq=2048, threads=threads)
+    vocabs = ([] if vocab is None else [vocab]) + list(more_vocabs)
     out = []
     try:
         for shard in shards.shard_paths(answers_dir):
@@ -89,25 +90,22 @@ def draft_agreement(draft_path: Path, answers_dir: Path, *, threads: int = 2, vo
                 tokens, offsets, n_prompt, cats, ids = z["tokens"], z["offsets"], z["n_prompt"], z["categories"], z["ids"]
             for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
                 seq = tokens[a:b].tolist()
-                preds, preds_v = [], []
-                preds_more: list[list[np.ndarray]] = [[] for _ in more_vocabs]
+                preds: list[list[np.ndarray]] = [[] for _ in range(1 + len(vocabs))]  # all rows, then each vocab
                 runner.clear_seq(0)
                 for c in range(0, len(seq) - 1, runner.n_batch):
                     chunk = seq[c : min(c + runner.n_batch, len(seq) - 1)]
                     logits = runner.decode([(t, c + j, 0) for j, t in enumerate(chunk)])
-                    preds.append(logits.argmax(-1))
-                    if vocab is not None:
-                        preds_v.append(vocab[logits[:, vocab].argmax(-1)])
-                    for v, got in zip(more_vocabs, preds_more):
+                    preds[0].append(logits.argmax(-1))
+                    for v, got in zip(vocabs, preds[1:]):
                         got.append(v[logits[:, v].argmax(-1)])
-                pred = np.concatenate(preds)  # pred[j] predicts seq[j+1]
                 p0 = int(n_prompt[i])
-                ok = pred[p0 - 1 :] == np.asarray(seq[p0:])
-                rec = {"id": str(ids[i]), "category": str(cats[i]), "agree": ok}
+                # pred[j] predicts seq[j+1]
+                agree = [np.concatenate(g)[p0 - 1 :] == np.asarray(seq[p0:]) for g in preds]
+                rec = {"id": str(ids[i]), "category": str(cats[i]), "agree": agree[0]}
                 if vocab is not None:
-                    rec["agree_v"] = np.concatenate(preds_v)[p0 - 1 :] == np.asarray(seq[p0:])
+                    rec["agree_v"] = agree[1]
                 if more_vocabs:
-                    rec["agree_more"] = [np.concatenate(g)[p0 - 1 :] == np.asarray(seq[p0:]) for g in preds_more]
+                    rec["agree_more"] = agree[len(agree) - len(more_vocabs) :]
                 out.append(rec)
     finally:
         runner.close()
@@ -160,6 +158,12 @@ MEMORY_BOUND_FORMULA = (
     "tau_V'(k) = mean over answers of the tokens a round emits with k drafted, from the runs of the V' draft's "
     "agreement. The verify reuses the drafted rows' trunk states (compute saved), but the last drafted row still "
     "needs its trunk pass, so in bytes the trunk is paid once per draft step")
+
+
+def memory_bound_speedup(runs: list[np.ndarray], share: float) -> dict[int, float]:
+    """MEMORY_BOUND_FORMULA for k = 1..8, from the V' draft's agreement runs of each answer and s = ``share``."""
+    taus = {k: statistics.mean(tau_from_runs(x, k) for x in runs if len(x)) for k in range(1, 9)}
+    return {k: round(taus[k] / (1.0 + k * share), 3) for k in taus}
 
 
 def memory_bound_share(model_path: Path, head_path: Path, vocab: np.ndarray) -> float:
@@ -215,8 +219,7 @@ def evaluate(
             "tau_runs": taus,
             "tau_iid": {k: round(tau_iid(a, k), 3) for k in range(1, 9)},
         }
-        taus_v = {k: statistics.mean(tau_from_runs(x, k) for x in cats_v[cat] if len(x)) for k in range(1, 9)}
-        mb = {k: round(taus_v[k] / (1.0 + k * share), 3) for k in range(1, 9)}
+        mb = memory_bound_speedup(cats_v[cat], share)
         entry["speedup_memory_bound"] = mb  # PROJECTION (formula above), not a measurement
         entry["best_k_memory_bound"] = max(mb, key=lambda k: mb[k])
         if cost is not None:

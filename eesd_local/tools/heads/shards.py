@@ -20,5 +20,10 @@ def trunk_path(shard: Path, n: int) -> Path:
     return shard.with_name(shard.name.replace("teacher-", f"trunk-N{n}-").replace(".npz", ".npy"))
 
 
+def trunk_files(shard: Path) -> list[Path]:
+    """The trunk-state files beside ``shard``, for every N made."""
+    return sorted(shard.parent.glob(trunk_path(shard, 0).name.replace("-N0-", "-N*-")))
+
+
 def trunk_paths(data_dir: Path, n: int) -> list[Path]:
     return [trunk_path(p, n) for p in shard_paths(data_dir)]

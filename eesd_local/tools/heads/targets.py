@@ -198,7 +198,7 @@ def soft_targets(model_path: Path, hard: Path, out: Path, pick: set[int], *, k: 
             with atomic_path(out / p.name) as tmp:
                 with open(tmp, "wb") as fh:
                     np.savez(fh, **arrays)
-            for trunk in p.parent.glob(p.name.replace("teacher-", "trunk-N*-").replace(".npz", ".npy")):
+            for trunk in shards.trunk_files(p):
                 link = out / trunk.name
                 if not link.exists():
                     link.symlink_to(trunk.resolve())

@@ -251,6 +251,17 @@ def agreement(head, lm_w, seqs: list[Seq], max_seqs: int = 64, vocab=None) -> di
     return {k: float(np.mean(v)) for k, v in hits.items() if v}
 
 
+def split(n: int, *, heldout_every: int, train_fraction: float = 1.0, seed: int = 0) -> tuple[list[int], list[int]]:
+    """(held-out, trained-on) sequence numbers of ``n``: every ``heldout_every``-th is held out; of the
+    rest, a fixed random share ``train_fraction`` is trained on (the scaling of agreement with data)."""
+    held = [i for i in range(n) if i % heldout_every == heldout_every - 1]
+    train = [i for i in range(n) if i % heldout_every != heldout_every - 1]
+    if train_fraction < 1.0:
+        pick = np.random.default_rng(seed + 1).permutation(len(train))[: max(1, int(len(train) * train_fraction))]
+        train = [train[i] for i in sorted(pick)]
+    return held, train
+
+
 def recipe_line(cfg: TrainConfig, init_head: Path | None, vprime: np.ndarray | None, steps: int) -> str:
     """How a head was made, in one line (its metadata's ``recipe``; ``eesd heads info`` shows it)."""
     if init_head is not None:
@@ -299,11 +310,8 @@ def train_head(
             f"no training data with trunk states for N={cfg.exit_layer} under {data_dir}",
             hint="run the teacher pass first (eesd heads train does it)",
         )
-    held = [s for i, s in enumerate(seqs) if i % cfg.heldout_every == cfg.heldout_every - 1]
-    train = [s for i, s in enumerate(seqs) if i % cfg.heldout_every != cfg.heldout_every - 1]
-    if cfg.train_fraction < 1.0:  # a fixed random share: the scaling of agreement with data
-        pick = np.random.default_rng(cfg.seed + 1).permutation(len(train))[: max(1, int(len(train) * cfg.train_fraction))]
-        train = [train[i] for i in sorted(pick)]
+    held_idx, train_idx = split(len(seqs), heldout_every=cfg.heldout_every, train_fraction=cfg.train_fraction, seed=cfg.seed)
+    held, train = [seqs[i] for i in held_idx], [seqs[i] for i in train_idx]
     n_tokens = sum(len(s.hid) for s in train)
     head, lm_w = make_exit_head(base_path, cfg.exit_layer, cfg.init_from, cfg.block)
     if init_head is not None:  # continue from an earlier head (more data, a fresh schedule)
