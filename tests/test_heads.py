@@ -18,6 +18,7 @@ import pytest
 
 import eesd_local.tools.heads.draftvocab as dv
 from eesd_local.cli import main
+from eesd_local.commands.heads import freeze_mlp_for
 from eesd_local.errors import EesdError
 from eesd_local.gguf import headfile
 from eesd_local.gguf import reader as ggufread
@@ -321,6 +322,28 @@ def test_cli_train_info_build_on_tiny_model(tiny, tmp_path, capsys):
     assert "was made for" in capsys.readouterr().err
     assert main(["heads", "train", "--model", str(base), "--exit-layer", "9", "-o", str(tmp_path / "x.gguf")]) == 2
     assert "outside" in capsys.readouterr().err
+    # --mlp base: train the attention, keep the base's last MLP (a small head for a big model); continuing
+    # from a head whose MLP was trained keeps the base's MLP all the same, and the draft takes it byte for byte
+    small = tmp_path / "small-head.gguf"
+    assert main([*args[:6], "-o", str(small), *args[8:], "--mlp", "base", "--init-head", str(out)]) == 0
+    assert "MLP kept from the base's last block" in capsys.readouterr().err
+    sinfo = read_head_info(small)
+    assert sinfo["ffn_from_base_block"] == 3 and sinfo["config"]["freeze_mlp"] is True
+    assert not any(name.startswith("blk.2.ffn_") and not name.endswith("norm.weight") for name in sinfo["tensors"])
+    b, d = ggufread.read_header(base), ggufread.read_header(build_draft(base, small))
+    for part in headfile.FFN_PARTS:
+        assert bytes(d.tensor_bytes(f"blk.2.{part}")) == bytes(b.tensor_bytes(f"blk.3.{part}")), part
+
+
+def test_the_exit_mlp_is_trained_unless_the_head_would_outgrow_the_repository():
+    """--mlp auto: the 0.5B's full exit block is 15.8 MB in Q8_0 (trained); the 1.5B's would be 49.7 MB, so it
+    keeps the base's last MLP (5.8 MB); --mlp train / base decide by hand."""
+    q05 = {"n_embd": 896, "n_ff": 4864, "n_head": 14, "n_head_kv": 2}
+    q15 = {"n_embd": 1536, "n_ff": 8960, "n_head": 12, "n_head_kv": 2}
+    assert [round(sum(headfile.exit_block_mb(i)), 1) for i in (q05, q15)] == [15.8, 49.7]
+    assert round(headfile.exit_block_mb(q15)[0], 1) == 5.8
+    assert not freeze_mlp_for(q05, "auto") and freeze_mlp_for(q15, "auto")
+    assert freeze_mlp_for(q05, "base") and not freeze_mlp_for(q15, "train")
 
 
 def test_distill_loss_over_the_draft_vocabulary_gives_no_mass_outside_it():

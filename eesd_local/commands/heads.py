@@ -17,6 +17,7 @@ from eesd_local.gguf.headfile import (
     build_draft,
     check_exit_layer,
     check_head_for,
+    exit_block_mb,
     find_head,
     fingerprint,
     model_info,
@@ -33,6 +34,7 @@ from eesd_local.tools.heads.data import DEFAULT_MIX, DEFAULT_TRAIN_VOCAB, MIXES
 from eesd_local.tools.registry import resolve_model
 
 MAX_NEW = 1024  # answer tokens per prompt: the draft is run over prompt (up to 1024 tokens) + answer in 2048
+HEAD_MB = 20.0  # a head that fits in the repository beside its model (models/README.md)
 MAX_PARALLEL = 256  # sequences in one llama.cpp context; each holds max_prompt + max_new cells of KV
 
 
@@ -84,6 +86,13 @@ def register(subparsers) -> None:
         help=f"train the softmax over the shared trunk's draft vocabulary of this size (0: the full vocabulary; "
         f"default {DRAFT_VOCAB} with --corpus, where the full loss over every row would cost 3.5x a step, else "
         f"{DEFAULT_TRAIN_VOCAB})",
+    )
+    t.add_argument(
+        "--mlp",
+        choices=["auto", "train", "base"],
+        default="auto",
+        help="the exit block's MLP: train it, or keep the base's last block's (the head file then omits it: the "
+        f"1.5B's head is 5.9 MB, not 50). auto (default): train it when the head stays within {HEAD_MB} MB",
     )
     t.add_argument("--epochs", type=float, default=3.0)
     t.add_argument("--steps", type=int, default=0,
@@ -219,6 +228,15 @@ def cmd_train(args: argparse.Namespace) -> int:
                   deadline, t_start)
 
 
+def freeze_mlp_for(info: dict, asked: str) -> bool:
+    """Whether the exit block keeps the base's last MLP: ``--mlp base``, or auto when training it would make
+    the head file larger than HEAD_MB."""
+    if asked != "auto":
+        return asked == "base"
+    attn_mb, mlp_mb = exit_block_mb(info)
+    return attn_mb + mlp_mb > HEAD_MB
+
+
 def check_head_for_training(model: Path, head: Path, exit_layer: int) -> None:
     info, _ = check_head_for(model, head)
     if int(info["exit_layer"]) != exit_layer:
@@ -258,7 +276,12 @@ def _train(args: argparse.Namespace, model: Path, data_dir: Path, data_summary: 
         threads=args.threads,
         draft_vocab=args.draft_vocab if args.draft_vocab is not None else (DRAFT_VOCAB if corpus else DEFAULT_TRAIN_VOCAB),
         batch_negatives=corpus,
+        freeze_mlp=freeze_mlp_for(info := model_info(model), args.mlp),
     )
+    attn_mb, mlp_mb = exit_block_mb(info)
+    mlp = "kept from the base's last block" if tcfg.freeze_mlp else "trained"
+    print(f"exit block: attention trained, MLP {mlp} (head file ~{attn_mb + (0 if tcfg.freeze_mlp else mlp_mb):.1f} MB; "
+          f"--mlp {args.mlp})", file=sys.stderr)
     summary = train.train_head(
         model,
         data_dir,

@@ -106,10 +106,24 @@ def model_info(path: Path) -> dict:
         "arch": str(arch),
         "n_layer": int(_field(reader, f"{arch}.block_count", 0)),
         "n_embd": int(_field(reader, f"{arch}.embedding_length", 0)),
+        "n_ff": int(_field(reader, f"{arch}.feed_forward_length", 0)),
+        "n_head": int(_field(reader, f"{arch}.attention.head_count", 0)),
+        "n_head_kv": int(_field(reader, f"{arch}.attention.head_count_kv", 0)),
         "name": str(_field(reader, "general.name", Path(path).stem)),
         # the rows of token_embd (the vocabulary's size as the weights see it)
         "n_vocab": int(reader.tensors["token_embd.weight"].dims[1]) if "token_embd.weight" in reader.tensors else 0,
     }
+
+
+Q8_0_BYTES_PER_WEIGHT = 34 / 32  # a block of 32 int8 weights and one f16 scale
+
+
+def exit_block_mb(info: dict) -> tuple[float, float]:
+    """MB the exit block's attention and its MLP weigh in a head file (Q8_0), from ``model_info``."""
+    n, kv_heads, heads = info["n_embd"], info["n_head_kv"] or 1, info["n_head"] or 1
+    attn = n * (2 * n + 2 * n * kv_heads // heads)  # q, o: n x n; k, v: n x n_kv
+    mlp = 3 * n * info["n_ff"]  # gate, up, down
+    return attn * Q8_0_BYTES_PER_WEIGHT / 1e6, mlp * Q8_0_BYTES_PER_WEIGHT / 1e6
 
 
 def check_exit_layer(n: int, n_layer: int, what: str) -> None:

@@ -189,7 +189,7 @@ def _exit_head_class():
 
         def load_gguf_tensors(self, tensors: dict[str, np.ndarray]) -> None:
             sd = {
-                BLOCK_MAP[g]: torch.from_numpy(np.asarray(a, np.float32).reshape(self.block.state_dict()[BLOCK_MAP[g]].shape))
+                BLOCK_MAP[g]: torch.from_numpy(np.array(a, np.float32).reshape(self.block.state_dict()[BLOCK_MAP[g]].shape))
                 for g, a in tensors.items()
                 if g in BLOCK_MAP
             }

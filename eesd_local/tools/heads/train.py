@@ -30,7 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from eesd_local.atomic import atomic_path
 from eesd_local.errors import EesdError
-from eesd_local.gguf.headfile import head_tensors, read_head_info, write_head
+from eesd_local.gguf.headfile import FFN_PARTS, head_tensors, read_head_info, write_head
 from eesd_local.gguf.reader import read_header
 from eesd_local.tools.heads.shards import shard_paths, trunk_path, trunk_paths
 from eesd_local.tools.heads.torchmodel import Trunk, make_exit_head
@@ -318,7 +318,10 @@ def train_head(
 
         if read_head_info(init_head)["exit_layer"] != cfg.exit_layer:
             raise EesdError(f"{init_head} is a head for another exit layer than {cfg.exit_layer}")
-        head.load_gguf_tensors(head_tensors(init_head))
+        kept = head_tensors(init_head)
+        if cfg.freeze_mlp:  # the frozen MLP is the base block's the file will name, whatever the earlier head trained
+            kept = {name: a for name, a in kept.items() if name not in FFN_PARTS}
+        head.load_gguf_tensors(kept)
     head.to(device)
     lm_w = lm_w.to(device)
     if cfg.freeze_mlp:
@@ -493,7 +496,8 @@ def train_head(
     }
     if cfg.freeze_mlp:
         h = read_header(Path(base_path))
-        summary["ffn_from_base_block"] = int(h.kv[f"{h.kv['general.architecture']}.block_count"]) - 1
+        last = int(h.kv[f"{h.kv['general.architecture']}.block_count"]) - 1
+        summary["ffn_from_base_block"] = last if cfg.init_from is None else cfg.init_from
     if out_path is not None:
         write_head(
             out_path,
