@@ -329,6 +329,7 @@ def test_cli_train_info_build_on_tiny_model(tiny, tmp_path, capsys):
     assert "MLP kept from the base's last block" in capsys.readouterr().err
     sinfo = read_head_info(small)
     assert sinfo["ffn_from_base_block"] == 3 and sinfo["config"]["freeze_mlp"] is True
+    assert sinfo["recipe"].startswith("exit block full from head cli-head.gguf (its MLP kept from the base's last block)")
     assert not any(name.startswith("blk.2.ffn_") and not name.endswith("norm.weight") for name in sinfo["tensors"])
     b, d = ggufread.read_header(base), ggufread.read_header(build_draft(base, small))
     for part in headfile.FFN_PARTS:

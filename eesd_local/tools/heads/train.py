@@ -271,7 +271,10 @@ def recipe_line(cfg: TrainConfig, init_head: Path | None, vprime: np.ndarray | N
     rows = "the whole vocabulary" if vprime is None else f"V' ({len(vprime)} rows)"
     loss = f"softmax over {rows}" if cfg.loss == "full" else \
         f"softmax over the top-{cfg.top_k} + {cfg.negatives} sampled{' + in-batch' if cfg.batch_negatives else ''} negatives in {rows}"
-    return f"exit block {cfg.block} from {start}; {loss}; lr {cfg.lr:g}, {steps} steps of {cfg.batch_tokens} tokens"
+    mlp = ""
+    if cfg.freeze_mlp:
+        mlp = " (its MLP kept from " + ("the base's last block" if cfg.init_from is None else f"base block {cfg.init_from}") + ")"
+    return f"exit block {cfg.block} from {start}{mlp}; {loss}; lr {cfg.lr:g}, {steps} steps of {cfg.batch_tokens} tokens"
 
 
 def train_head(
