@@ -195,7 +195,7 @@ def _exit_head_class():
             }
             self.block.load_state_dict(sd, strict=False)
             if "output_norm.weight" in tensors:
-                self.norm.weight.data.copy_(torch.from_numpy(np.asarray(tensors["output_norm.weight"], np.float32)))
+                self.norm.weight.data.copy_(torch.from_numpy(np.array(tensors["output_norm.weight"], np.float32)))
 
     return _ExitHead
 
