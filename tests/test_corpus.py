@@ -193,6 +193,17 @@ def prompts():
 
 
 @needs_demo
+def test_minutes_stop_new_prompts_only_on_a_rate_measured_over_ended_answers():
+    """--minutes: no new prompt once one would not be answered in time, but judged only after an answer
+    has ended (before that the rate counts prompts being prefilled: a slow model's first minute projected
+    43 minutes an answer and stopped a 22-minute run after its first batch), and judged again every step."""
+    deadline = 1000.0
+    assert not corpus.time_is_short(100.0, deadline, 2600.0, answers_ended=0)  # every sequence still prefilling
+    assert corpus.time_is_short(100.0, deadline, 2600.0, answers_ended=3)
+    assert not corpus.time_is_short(100.0, deadline, 300.0, answers_ended=3)  # the rate recovered: admit again
+    assert corpus.time_is_short(800.0, deadline, 300.0, answers_ended=40)
+
+
 def test_grow_resumes_after_an_interruption(tiny, prompts, tmp_path):
     folder = tmp_path / "c"
     cfg = corpus.GrowConfig(n_parallel=3, max_new=6, max_prompt=2048, shard_tokens=12)  # a shard every two answers

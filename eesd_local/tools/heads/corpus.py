@@ -67,7 +67,6 @@ _U32 = struct.Struct("<I")
 MAX_HEADER = 1 << 20  # a larger header length is damage, not a header
 DEFAULT_MAX_MB = 10.0  # per model: the two demo models' corpora stay under ~20 MB in git together
 BYTES_PER_TOKEN_GUESS = 1.5  # until the corpus has its own figure (measured ~1.2-1.4: models/README.md)
-RATE_WARMUP_S = 60.0  # seconds of generation before the measured rate may stop new prompts for --minutes
 SHARD_OVERHEAD = 600  # bytes of a shard besides its tokens: header, xz container, a few answers' metadata
 XZ_PRESET = 9 | lzma.PRESET_EXTREME  # smallest; shards are written every few minutes, so the cost does not show
 
@@ -512,6 +511,14 @@ def settings_of(cfg: GrowConfig, model_path: Path) -> dict:
     }
 
 
+def time_is_short(now: float, deadline: float, answer_s: float, *, answers_ended: int) -> bool:
+    """Whether a new prompt would not be answered by ``deadline`` (``answer_s``: what one takes at the rate
+    so far). Asked again at every step, and only once an answer has ended: until then the rate counts every
+    sequence's prompt being prefilled and no answer yet (the 1.5B's first minute read 3 tokens/s, a fifteenth
+    of its steady rate, and a sticky early "no" stopped a 22-minute run after 6)."""
+    return answers_ended > 0 and now + answer_s >= deadline
+
+
 def grow(
     model_path: Path,
     folder: Path,
@@ -584,12 +591,9 @@ def grow(
                 projected = disk + overhead + (buffered + in_flight) * bytes_per_token
                 if projected >= max_bytes:
                     report.stop = report.stop or "max-mb"
-                elif now + answer_s >= deadline and now - (t_gen or now) >= RATE_WARMUP_S:
-                    # (the rate of the first seconds, prompts still prefilling, would project an answer
-                    # to take many minutes and stop a long run after its first batch)
-                    report.stop = report.stop or "minutes"
+                near_end = time_is_short(now, deadline, answer_s, answers_ended=len(lengths))
                 for s in range(cfg.n_parallel):  # start new prompts while no limit is near
-                    while slots[s] is None and not report.stop:
+                    while slots[s] is None and not report.stop and not near_end:
                         item = next(pending, None)
                         if item is None:
                             report.stop = "prompts"
@@ -599,6 +603,8 @@ def grow(
                             slots[s] = _Slot(item, prompt)
                 active = [(s, sl) for s, sl in enumerate(slots) if sl is not None]
                 if stop["signum"] or not active or now >= deadline:
+                    if near_end or now >= deadline:
+                        report.stop = report.stop or "minutes"
                     break
                 rows, owners, fed = _batch(active, cfg.n_batch, cfg.prompt_chunk)
                 report.prompt_tokens += fed
@@ -631,7 +637,7 @@ def grow(
                         "max_bytes": max_bytes,
                         "deadline_s": deadline - time.time(),
                         "active": len(active),
-                        "stop": report.stop,
+                        "stop": report.stop or ("minutes" if near_end else ""),  # why no new prompt starts
                     })
         finally:
             try:
