@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from eesd_local.gguf.headfile import find_head, head_tensors, read_head_info
+from eesd_local.llama.draftvocab import DRAFT_VOCAB
 from eesd_local.llama.runtime import ContextParams, Model
 from eesd_local.llama.trunk import open_split
 from eesd_local.tools.heads.draftvocab import draft_vocab
@@ -65,7 +66,7 @@ def main() -> int:
     t_torch = time.perf_counter() - t0
     del trunk
 
-    vprime = draft_vocab(base, 32768)  # the shared trunk reads it from the cache
+    vprime = draft_vocab(base, DRAFT_VOCAB)  # the shared trunk reads it from the cache
     params = ContextParams(n_ctx=4096, n_batch=512, n_threads=args.threads)
     vocab_model = Model(base, vocab_only=True)
     sp = open_split(vocab_model, head_path, params)
