@@ -324,6 +324,45 @@ def test_an_interrupt_inside_a_ctypes_callback_is_raised_again_without_a_traceba
     assert sys.unraisablehook.__name__ == "_redeliver_interrupts"  # the command line installs it
 
 
+def test_a_ctrl_c_while_numba_compiles_is_held_until_it_has_compiled():
+    """A SIGINT landing while Numba holds its compiler lock (compiling, or loading a kernel from the cache) would
+    be raised inside llvmlite's ctypes callbacks, whose C side then goes on with what the callback never returned:
+    eesd-chat segfaulted 1 in ~150 Ctrl-Cs while loading. jitcache.HoldSignals holds it until the lock is
+    released, then raises it: the kernel is whole, the interrupt comes after."""
+    numba = pytest.importorskip("numba")
+    from numba.core import event  # noqa: PLC0415 - after importorskip
+
+    from eesd_local.spec.controllers import jitcache  # noqa: PLC0415 - registers HoldSignals
+
+    assert any(isinstance(x, jitcache.HoldSignals) for x in event._registered["numba:compiler_lock"])
+
+    class CtrlC(event.Listener):  # registered after HoldSignals: the signal lands inside the held span
+        fired = 0
+
+        def on_start(self, ev):
+            if not self.fired:
+                self.fired += 1
+                signal.raise_signal(signal.SIGINT)
+
+        def on_end(self, ev):
+            pass
+
+    @numba.njit
+    def twice(x):
+        return 2 * x
+
+    before = signal.getsignal(signal.SIGINT)
+    ctrl_c = CtrlC()
+    event.register("numba:compiler_lock", ctrl_c)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            twice(21)  # compiles; the held interrupt is raised once the lock is released
+    finally:
+        event.unregister("numba:compiler_lock", ctrl_c)
+    assert ctrl_c.fired == 1 and twice.signatures and twice(21) == 42  # compiled whole, before the interrupt
+    assert signal.getsignal(signal.SIGINT) is before
+
+
 # --- bad input names itself -----------------------------------------------------------------
 
 

@@ -628,7 +628,7 @@ def test_two_ctrl_c_while_loading_never_crash(qwen05_path, program):
     cmd = [sys.executable, "-m", "eesd_local.cli", "generate", "--model", QWEN05, "--drafter", "lookup", "-p", "hi", "-n", "4"]
     if program == "chat":
         cmd = [sys.executable, "-m", "eesd_chat.app", QWEN05, "--drafter", "lookup"]
-    for delay in (0.1, 0.3, 0.5, 0.7, 0.9):
+    for delay in (0.1, 0.3, 0.5, 0.7, 0.9, 1.2, 2.0):  # the last ones land as the chat's screen comes up or after
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         maps = Path(f"/proc/{proc.pid}/maps")
         t0 = time.monotonic()
@@ -646,11 +646,10 @@ def test_two_ctrl_c_while_loading_never_crash(qwen05_path, program):
             time.sleep(0.03)
         try:
             out, err = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:  # the chat's screen came up before the signals: past loading
+        except subprocess.TimeoutExpired:
             proc.kill()
             out, err = proc.communicate()
-            assert program == "chat" and "\x1b[" in out, err[-2000:]
-            continue
+            pytest.fail(f"still running 60 s after two SIGINTs {delay} s into loading: {err[-1000:]!r}")
         assert proc.returncode in (0, 130, -signal.SIGINT), (delay, proc.returncode, err[-2000:])
         assert "double free" not in err and "Fatal Python error" not in err and "Traceback" not in err, err[-2000:]
 

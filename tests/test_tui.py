@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import time
+from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 
-from eesd_chat.app import ChatApp, ChatOptions, main, swap_controller, swap_drafter
+import eesd_chat.app as chat_app
+from eesd_chat.app import ChatApp, ChatOptions, main, run_app, swap_controller, swap_drafter
 from eesd_chat.widgets import SOURCE_STYLE, AnswerView, SpeculationPanel
 from eesd_local.api import load
 from eesd_local.spec.events import TokenEvent
@@ -374,6 +377,40 @@ def test_scripted_stop_mid_answer():
     answer = app.current.answer
     assert answer.reason == "cancelled" and 3 <= answer.stats.n_generated < len(engine.text)
     assert status(app) == "stopped" and app.conv.turns[-1].content == answer.text
+
+
+class Interrupted(ChatApp):
+    """The chat, headless, that sends itself a SIGINT at one moment of its life (``when``)."""
+
+    when = "mount"
+    CSS_PATH = str(Path(chat_app.__file__).with_name("chat.tcss"))  # Textual reads it beside the subclass's file
+
+    def run(self, **kw):
+        return super().run(headless=True, size=SIZE)
+
+    def on_mount(self) -> None:
+        super().on_mount()
+        if self.when == "mount":  # Textual is still building the screen
+            signal.raise_signal(signal.SIGINT)
+
+    def on_ready(self) -> None:
+        super().on_ready()
+        if self.when == "ready":  # the chat sits idle, its screen whole
+            self.set_timer(0.05, lambda: signal.raise_signal(signal.SIGINT))
+
+
+@pytest.mark.parametrize("when", ["mount", "ready"])
+def test_a_sigint_ends_the_chat_wherever_it_lands(when):
+    """run_app's handler never raises inside Textual (a KeyboardInterrupt in its start or shutdown could leave
+    a chat that no signal ends, as CI once saw): the app ends once its screen is whole, then run_app raises."""
+    engine = ScriptedEngine()
+    app = Interrupted(engine, ChatOptions(model_name=QWEN05, timings=False))
+    app.when = when
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        run_app(app)
+    assert app.interrupted and app.screen_ready and app.return_code == 130 and engine._cancel.is_set()
+    assert signal.getsignal(signal.SIGINT) is before  # restored
 
 
 def test_snapshot_idle(snap_compare):

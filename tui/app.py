@@ -8,6 +8,7 @@ that iterates the engine's event stream and hands every event to the UI thread w
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import signal
 import sys
@@ -106,12 +107,22 @@ class ChatApp(App[None]):
         yield Static("", id="too-small")
         yield Footer()
 
-    interrupted = False  # a SIGINT came while the screen was still being built (main() sets it)
+    interrupted = False  # a SIGINT came (run_app's handler sets it)
     screen_ready = False
+    loop: asyncio.AbstractEventLoop | None = None  # the app's loop while it runs, for run_app's handler
+
+    def on_load(self) -> None:
+        self.loop = asyncio.get_running_loop()
 
     def on_ready(self) -> None:
         self.screen_ready = True
-        if self.interrupted:  # now the screen is whole, end as a Ctrl-C would have
+        self.end_if_interrupted()
+
+    def end_if_interrupted(self) -> None:
+        """End as a Ctrl-C would, once the screen is whole (ending mid-mount leaves a traceback)."""
+        if self.interrupted and self.screen_ready:
+            self._quitting = True
+            self.engine.cancel()  # as action_quit: an answer being written stops after its round
             self.exit(return_code=130)
 
     def on_mount(self) -> None:
@@ -426,9 +437,14 @@ def open_engine(args: argparse.Namespace) -> Engine:
 
 def main(argv: list[str] | None = None) -> int:
     keep_interrupts()  # a Ctrl-C inside a ctypes callback (numba compiling, llama.cpp logging) is not lost
+    engine: Engine | None = None
     try:
         args = build_parser().parse_args(argv)  # imports llama.cpp and numba: Ctrl-C may land here
         engine = open_engine(args)
+        options = ChatOptions(model_name=args.model if "/" not in args.model else Path(args.model).name,
+                              system=args.system, temperature=args.temperature, top_p=args.top_p,
+                              max_tokens=args.max_tokens)
+        run_app(ChatApp(engine, options))  # building the app imports Textual's driver: Ctrl-C may land here too
     except EesdError as exc:
         print(f"eesd-chat: error: {exc.message}", file=sys.stderr)
         if exc.hint:
@@ -439,19 +455,27 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while exiting must not print a traceback
         print("\neesd-chat: interrupted", file=sys.stderr)
         return 130
-    options = ChatOptions(model_name=args.model if "/" not in args.model else Path(args.model).name, system=args.system,
-                          temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
-    app = ChatApp(engine, options)
+    finally:
+        if engine is not None:
+            engine.close()
+    return 0
+
+
+def run_app(app: ChatApp) -> None:
+    """Run the chat; a SIGINT (``kill -INT``; in a terminal Ctrl-C is a key) ends it as its own quit does.
+
+    While Textual runs, the handler never raises: a KeyboardInterrupt raised in the middle of Textual's start
+    or of its shutdown can leave its loop or its input thread running (a chat that no signal ends). It marks
+    the app interrupted and wakes the app's loop; the app exits once its screen is whole (``on_ready``).
+    Raises KeyboardInterrupt after the app has ended if a SIGINT came.
+    """
 
     def sigint(signum: int, frame: object) -> None:
-        # in a terminal Ctrl-C is a key; a SIGINT (kill -INT) ends the app the way its own quit does, so
-        # that it never lands inside Textual mounting its widgets (a traceback from the half-built screen)
-        if not app.is_running:
-            raise KeyboardInterrupt
-        if app.screen_ready:
-            app.exit(return_code=130)
-        else:
-            app.interrupted = True  # Textual is mounting the screen: end once it is ready (on_ready)
+        app.interrupted = True
+        loop = app.loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: app.run() is returning, it sees the flag
+                loop.call_soon_threadsafe(app.end_if_interrupted)
 
     try:
         old = signal.signal(signal.SIGINT, sigint)
@@ -459,19 +483,12 @@ def main(argv: list[str] | None = None) -> int:
         old = None
     try:
         app.run()
-        if app.return_code == 130:
-            raise KeyboardInterrupt
-    except KeyboardInterrupt:
-        with contextlib.suppress(ValueError):
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-        print("\neesd-chat: interrupted", file=sys.stderr)
-        return 130
     finally:
         if old is not None:
             with contextlib.suppress(ValueError):
                 signal.signal(signal.SIGINT, old if signal.getsignal(signal.SIGINT) is sigint else signal.SIG_IGN)
-        engine.close()
-    return 0
+    if app.interrupted or app.return_code == 130:
+        raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ cached kernels.controller_decide (and simulator.run_rounds) would go on running 
 code. Our kernels are compiled with :func:`kernel` and :func:`kernel_cfunc`, which give each its
 own cache (a subclass of Numba's FunctionCache) whose locators stamp it with one hash over all
 kernel files instead. Nothing of Numba's is patched: other Numba code in the process caches as
-before, and importing this module changes nothing. Should Numba's caching internals
+before. Should Numba's caching internals
 (numba.core.caching) move, the kernels fall back to Numba's own cache.
 
 Numba reads its cache files back without checking them: a damaged data file is unpickled
@@ -14,6 +14,12 @@ into machine code that runs (or raises an UnpicklingError out of the first call)
 kernels' index and data files carry a content check (:mod:`eesd_local.cachefile`): each file Numba
 writes for a kernel gets its digest, and a file that fails the check before Numba reads it is
 removed and its kernel compiled again.
+
+While Numba holds its compiler lock (compiling a kernel, or loading one from the cache), a SIGINT or
+SIGTERM whose handler is Python's is held and delivered once the lock is released (:class:`HoldSignals`,
+registered at import): the handler would otherwise raise inside llvmlite's ctypes callbacks, whose C
+side then goes on with what the callback never returned (a segmentation fault, seen 1 in ~150 Ctrl-Cs
+landing while eesd-chat loads).
 """
 
 from __future__ import annotations
@@ -21,16 +27,66 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numba
-from numba.core import caching, sigutils
+from numba.core import caching, event, sigutils
 from numba.core.ccallback import CFunc
 from numba.core.dispatcher import Dispatcher
 
 from eesd_local import cachefile
+
+HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class HoldSignals(event.Listener):
+    """Numba's "numba:compiler_lock" events: on the main thread, while the lock is held (nested holds counted),
+    SIGINT and SIGTERM with a Python handler are recorded instead of handled, then raised again once it is
+    released, with the handler put back. Python runs signal handlers on the main thread only, so compiles on
+    other threads need nothing."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.saved: dict[int, Any] = {}
+        self.pending: list[int] = []
+
+    def _hold(self, signum: int, frame: object) -> None:
+        if signum not in self.pending:
+            self.pending.append(signum)
+
+    def on_start(self, ev: event.Event) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self.depth += 1
+        if self.depth > 1:
+            return
+        self.saved, self.pending = {}, []
+        for sig in HELD_SIGNALS:
+            old = signal.getsignal(sig)
+            if callable(old):
+                self.saved[sig] = old
+                signal.signal(sig, self._hold)
+
+    def on_end(self, ev: event.Event) -> None:
+        if threading.current_thread() is not threading.main_thread() or self.depth == 0:
+            return
+        self.depth -= 1
+        if self.depth:
+            return
+        for sig, old in self.saved.items():
+            if signal.getsignal(sig) == self._hold:  # nobody replaced it meanwhile
+                signal.signal(sig, old)
+        self.saved = {}
+        for sig in self.pending:
+            signal.raise_signal(sig)  # the handler runs now, outside Numba's lock and llvmlite's callbacks
+        self.pending = []
+
+
+event.register("numba:compiler_lock", HoldSignals())
 
 _PACKAGE = Path(__file__).resolve().parent
 # the kernel files: the controllers' and the simulator's (whose run_rounds calls them)
