@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -174,8 +175,8 @@ def llama_trunk_states(base_path: Path, n: int, work_dir: Path, *, threads: int 
     head, _ = make_exit_head(base_path, n)
     h = read_header(Path(base_path))
     last = int(h.kv[f"{h.kv['general.architecture']}.block_count"]) - 1
-    placeholder = Path(work_dir) / f".trunk-states-N{n}.head.gguf"
-    model_path = Path(work_dir) / f".trunk-states-N{n}.gguf"
+    tag = f".trunk-states-N{n}.{os.getpid()}"  # two runs on one folder do not share the model
+    placeholder, model_path = Path(work_dir) / f"{tag}.head.gguf", Path(work_dir) / f"{tag}.gguf"
     vocab = vocab_model = model = ctx = None
     try:
         write_head(placeholder, base_path=base_path, exit_layer=n, tensors=head.gguf_tensors(skip_mlp=True),
