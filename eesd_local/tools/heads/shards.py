@@ -2,7 +2,8 @@
 
 A shard ``teacher-NNNNN.npz`` holds sequences (tokens, offsets, n_prompt, the teacher's top-k ids
 and log-probs, categories); ``trunk-N{n}-NNNNN.npy`` (torch) or ``trunk-N{n}-llama-NNNNN.npy``
-(llama.cpp) beside it holds the trunk states that enter block n for the same tokens. Training reads only these, so it runs where only torch is installed.
+(llama.cpp) beside it holds the trunk states that enter block n for the same tokens. Training reads
+only these, so it runs where only torch is installed.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ def shard_paths(out_dir: Path) -> list[Path]:
     return sorted(Path(out_dir).glob(SHARD_GLOB))
 
 
-TRUNK_SOURCES = ("llama.cpp", "torch")  # where trunk states come from (train.cache_trunk_states); the first is the default
+TRUNK_SOURCES = ("llama.cpp", "torch")  # where trunk states come from (train.cache_trunk_states)
 
 
 def trunk_path(shard: Path, n: int, source: str = "torch") -> Path:
@@ -27,7 +28,7 @@ def trunk_path(shard: Path, n: int, source: str = "torch") -> Path:
 
 
 def trunk_files(shard: Path) -> list[Path]:
-    """The trunk-state files beside ``shard``, for every N made."""
+    """The trunk-state files beside ``shard``, for every N and source made."""
     return sorted(shard.parent.glob(trunk_path(shard, 0).name.replace("-N0-", "-N*-")))
 
 

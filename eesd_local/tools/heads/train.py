@@ -177,7 +177,7 @@ def llama_trunk_states(base_path: Path, n: int, work_dir: Path, *, threads: int 
     last = int(h.kv[f"{h.kv['general.architecture']}.block_count"]) - 1
     tag = f".trunk-states-N{n}.{os.getpid()}"  # two runs on one folder do not share the model
     placeholder, model_path = Path(work_dir) / f"{tag}.head.gguf", Path(work_dir) / f"{tag}.gguf"
-    vocab = vocab_model = model = ctx = None
+    vocab_model = model = ctx = None
     try:
         write_head(placeholder, base_path=base_path, exit_layer=n, tensors=head.gguf_tensors(skip_mlp=True),
                    meta={"ffn_from_base_block": last, "recipe": "a placeholder for trunk states, never trained"})
