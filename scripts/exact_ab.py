@@ -6,9 +6,9 @@ falls on both alike. A worker measures, on one model with the engine's context s
 - prefill tokens/s of prompts of 512, 64 and 12 tokens (logits for the last row only), and of the
   512 tokens decoded in chunks of 64 (how the engine decodes a prompt where output is exact);
 - plain decode tokens/s (one token per decode, 64 tokens);
-- B(k), the time of a batch of k tokens over one token, k = 1..16 (medians of 7);
-- whether every row of a 48-token greedy continuation is bit-identical decoded one token at a
-  time and in batches of 2..16.
+- B(k), the time of a batch of k tokens over one token, k = 1..64 (medians of 7, of 3 from 24 up);
+- whether every row of a 96-token greedy continuation is bit-identical decoded one token at a
+  time and in batches of 2..95.
 
 usage: python scripts/exact_ab.py MODEL.gguf --build before=LIBDIR --build after=LIBDIR [--passes 3]
        (a LIBDIR holds libllama.so; `default` means the one llama-cpp-python installed)
@@ -29,7 +29,8 @@ import numpy as np
 from eesd_local.llama.ggmlapi import prefill_kernels
 from eesd_local.llama.runtime import Context, ContextParams, Model
 
-KS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
+KS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)
+IDENT_KS = (2, 3, 4, 5, 8, 9, 16, 17, 33, 64, 95)
 
 
 def worker(model_path: str, threads: int) -> dict:
@@ -67,11 +68,11 @@ def worker(model_path: str, threads: int) -> dict:
     ctx.decode(toks[:40])
     cont = []
     t0 = time.perf_counter()
-    for _ in range(64):
+    for _ in range(96):
         t = int(ctx.logits().argmax())
         cont.append(t)
         ctx.decode([t])
-    out["decode_tok_s"] = 64 / (time.perf_counter() - t0)
+    out["decode_tok_s"] = 96 / (time.perf_counter() - t0)
 
     base = 40 + 24
 
@@ -88,21 +89,21 @@ def worker(model_path: str, threads: int) -> dict:
     ctx.decode(cont[:24])
     t1 = t_of(1)
     out["t1_ms"] = t1 * 1e3
-    out["B"] = {k: t_of(k) / t1 for k in KS}
+    out["B"] = {k: t_of(k, 7 if k < 24 else 3) / t1 for k in KS}
 
     ctx.clear()
     ctx.decode(toks[:40])
     single = []
-    for t in cont[:48]:
+    for t in cont:
         single.append(ctx.logits().copy())
         ctx.decode([t])
     ident = {}
-    for k in (2, 3, 4, 5, 8, 9, 16):
+    for k in IDENT_KS:
         ctx.clear()
         ctx.decode(toks[:40])
         rows = [ctx.logits().copy()]
-        for i in range(0, 47, k):
-            chunk = cont[i:min(i + k, 47)]
+        for i in range(0, len(cont) - 1, k):
+            chunk = cont[i:min(i + k, len(cont) - 1)]
             ctx.decode(chunk, n_logits=len(chunk))
             rows += [ctx.logits(j).copy() for j in range(len(chunk))]
         same = sum(bool(np.array_equal(a, b)) for a, b in zip(single, rows, strict=True))
@@ -146,7 +147,7 @@ def main() -> None:
         m["rows_identical"] = rs[-1]["rows_identical"]
         med[name] = m
     print("| build | prefill 512 tok/s | 512 in chunks of 64 | prefill 64 | prefill 12 | decode tok/s | " + " | ".join(f"B{k}" for k in KS[1:])
-          + " | rows identical (k=2..16) |")
+          + " | rows identical to one-token decodes, by batch size |")
     print("|---" * (7 + len(KS)) + "|")
     for name, m in med.items():
         ident = ", ".join(f"{k}: {v}" for k, v in m["rows_identical"].items())

@@ -22,7 +22,7 @@ import pytest
 
 import eesd_local
 from eesd_local.llama import costs
-from eesd_local.llama.ggmlapi import exact_rows, ggml_symbol, prefill_kernels
+from eesd_local.llama.ggmlapi import EXACT_ALL, exact_rows, ggml_symbol, prefill_kernels
 from eesd_local.llama.runtime import default_threads
 from eesd_local.spec.events import FinishEvent, RoundEvent, TokenEvent
 
@@ -66,6 +66,9 @@ CONFIGS = {  # name: (engine options, prompts, round loop)
     "eesd-split-python": (dict(drafter="eesd", controller="fixed:6"), SUB, "python"),
     "eesd-copy": (dict(drafter="eesd", shared_trunk=False, controller="fixed:4"), SUB, "native"),
     "hierarchical": (dict(drafter="hierarchical", controller="fixed:4"), SUB, "native"),
+    # long drafts (issue 41): verify batches of up to 65 rows stay on the batch-invariant kernels
+    "lookup-long": (dict(drafter="lookup", draft_max=64, controller="fixed:64"), PROMPTS, "native"),
+    "draft-model-itself-long": (dict(drafter="draft-model", draft_model=QWEN05, draft_max=31, controller="fixed:31"), SUB, "native"),
 }
 
 
@@ -86,7 +89,7 @@ def test_greedy_output_is_byte_identical_to_plain_decoding(plain, name, monkeypa
             drafted += fin.stats.n_drafted
             accepted += fin.stats.n_accepted
     assert drafted > 0, f"{name} never drafted: the test would test nothing"
-    if name == "draft-model-itself":
+    if name.startswith("draft-model-itself"):
         # the target drafting for itself: its copy decodes the prompt and its catch-ups in other batches
         # than the target (its own prefill), so a near tie may go the other way there (a rejected draft,
         # never another output); anything but a few would mean the draft is not the target
@@ -155,21 +158,21 @@ def test_a_batch_dependent_kernel_is_caught(qwen05_path):
 
 
 def test_prefill_kernels_are_lifted_only_for_the_prompt():
-    """The prompt's prefill may take tinyBLAS at any row count (it is cut the same way in every run);
+    """The prompt's prefill may take llama.cpp's stock kernels (it is cut the same way in every run);
     decode batches must be back on the batch-invariant kernels after it, error or not."""
 
     raw = ggml_symbol("ggml_cpu_exact_rows")
     raw.restype = ctypes.c_int
-    assert raw() == exact_rows() == 16
+    assert raw() == exact_rows() == EXACT_ALL
     with prefill_kernels():
         assert raw() == 0
-    assert raw() == 16
+    assert raw() == EXACT_ALL
     with pytest.raises(RuntimeError), prefill_kernels():
         raise RuntimeError("a failed prefill")
-    assert raw() == 16
+    assert raw() == EXACT_ALL
     with eesd_local.load(QWEN05, n_ctx=2048, drafter="lookup") as eng:
         eng.run(_tokens(eng, PROMPTS[0]), max_tokens=4)
-    assert raw() == 16
+    assert raw() == EXACT_ALL
 
 
 @pytest.mark.parametrize("drafter", ["lookup", "eesd"])

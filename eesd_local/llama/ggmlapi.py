@@ -1,5 +1,5 @@
 """ggml and llama.cpp calls that llama-cpp-python does not bind: backend start-up, and ggml's own
-functions (device list, the exact-rows bound of the patched CPU backend, RPC failures) looked up in
+functions (device list, the batch-invariance mode of the patched CPU backend, RPC failures) looked up in
 the libraries llama-cpp-python loaded."""
 
 from __future__ import annotations
@@ -49,12 +49,16 @@ def ggml_symbol(name: str) -> Any:
     return fn if fn is not None else None
 
 
+EXACT_ALL = 1 << 30  # GGML_CPU_EXACT_ALL: every batch size is batch-invariant
+
+
 @functools.cache
 def exact_rows() -> int:
     """How many rows a decode batch may hold and stay batch-invariant on the CPU: every row's logits
     bit-identical to the same token decoded alone (``ggml_cpu_exact_rows()``, exported by the llama.cpp
-    that scripts/llama_build.py builds with native/patches/ggml-exact-rows.patch); 0 for a build
-    without the patch."""
+    that scripts/llama_build.py builds with native/patches/ggml-batch-invariant.patch):
+    :data:`EXACT_ALL` (every batch size), or 0 for a build without the patch or with
+    ``GGML_CPU_EXACT_ROWS=0`` (llama.cpp's stock kernels)."""
     fn = ggml_symbol("ggml_cpu_exact_rows")
     if fn is None:
         return 0
@@ -64,11 +68,12 @@ def exact_rows() -> int:
 
 @contextlib.contextmanager
 def prefill_kernels() -> Iterator[None]:
-    """Within it, every product may take the CPU backend's fastest kernels (llamafile's tinyBLAS, the
-    tiled and repacked ones) whatever its row count: for a prompt's prefill, which is cut into the
-    same chunks in every run, so its rows do not need batch invariance. A 12-token prompt prefills
-    ~1.5x faster than with vec_dot (ggml_cpu_set_exact_rows, ggml-exact-rows.patch); nothing
-    changes on a build without it."""
+    """Within it, every product takes llama.cpp's stock kernel choice: for a prompt's prefill, which is
+    cut into the same chunks in every run, so its rows do not need batch invariance. It matters where
+    llama.cpp repacked weights (``use_extra_bufts``): their 4-row gemm, which the batch-invariant mode
+    replaces by gemv row by row, prefills a Q4_K model ~1.5x faster (ggml_cpu_set_exact_rows,
+    ggml-batch-invariant.patch); elsewhere the two modes run the same kernels from 8 rows up. Nothing
+    changes on a build without the patch."""
     fn = _set_exact_rows()
     if fn is None:
         yield

@@ -28,7 +28,7 @@ import numpy as np
 from eesd_local.errors import ContextFullError, EesdError
 from eesd_local.gguf.check import check_gguf
 from eesd_local.llama import memtune
-from eesd_local.llama.ggmlapi import exact_rows, ggml_symbol, init_backend, offload_devices, rpc_failures
+from eesd_local.llama.ggmlapi import EXACT_ALL, exact_rows, ggml_symbol, init_backend, offload_devices, rpc_failures
 from eesd_local.llama.rpc import RpcError, add_servers
 
 
@@ -119,6 +119,8 @@ def exactness(*, draft_max: int, n_gpu_layers: int = 0, rpc: bool = False) -> tu
                        f"batch-invariant (pass --draft-max {rows - 1} or less)")
     if extra_bufts_allowed() and cpu_has_amx():
         return False, NOT_EXACT["amx"]
+    if rows >= EXACT_ALL:
+        return True, "batch-invariant CPU kernels at every batch size"
     return True, f"batch-invariant CPU kernels for batches of up to {rows} tokens"
 
 
