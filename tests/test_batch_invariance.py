@@ -4,7 +4,7 @@ The patched CPU backend (native/patches/ggml-batch-invariant.patch) sends every 
 one row up, through kernels whose per-output summation order does not depend on the row count. Checked
 here on the demo models' weight types (the 0.5B: Q5_0, Q8_0, Q4_K, Q6_K; Gemma-3 270M: Q4_K_M), with
 llama.cpp's repacked weight buffers and without them: a 128-token greedy continuation is decoded one
-token at a time, then again in batches of k, and every row's logits must be equal bit for bit. The
+token at a time, then again in batches of k (2 to 128), and every row's logits must be equal bit for bit. The
 same comparison with GGML_CPU_EXACT_ROWS=0 (llama.cpp's stock kernel choice) must find rows that differ.
 """
 
@@ -19,7 +19,7 @@ import pytest
 
 pytestmark = pytest.mark.model
 
-KS = (2, 3, 5, 7, 8, 9, 16, 17, 31, 64, 65, 128)
+KS = (2, 3, 7, 8, 17, 64, 128)
 
 _CHECK = r"""
 import json, sys

@@ -309,7 +309,7 @@ CODE = """def merge_intervals(intervals):
             merged.append([start, end])
     return merged
 """
-ASK = ("Add a docstring to this function and return the whole function. After the code, explain in three "
+ASK = ("Return this function exactly as it is, adding only a docstring. After the code, explain in three "
        "sentences how it works.\n\n```python\n" + CODE + "```")
 
 

@@ -4,12 +4,10 @@ the libraries llama-cpp-python loaded."""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import os
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import llama_cpp as lc
@@ -64,33 +62,6 @@ def exact_rows() -> int:
         return 0
     fn.restype = ctypes.c_int
     return max(0, int(fn()))
-
-
-@contextlib.contextmanager
-def prefill_kernels() -> Iterator[None]:
-    """Within it, every product takes llama.cpp's stock kernel choice: for a prompt's prefill, which is
-    cut into the same chunks in every run, so its rows do not need batch invariance. It matters where
-    llama.cpp repacked weights (``use_extra_bufts``): their 4-row gemm, which the batch-invariant mode
-    replaces by gemv row by row, prefills a Q4_K model ~1.5x faster (ggml_cpu_set_exact_rows,
-    ggml-batch-invariant.patch); elsewhere the two modes run the same kernels from 8 rows up. Nothing
-    changes on a build without the patch."""
-    fn = _set_exact_rows()
-    if fn is None:
-        yield
-        return
-    fn(0)
-    try:
-        yield
-    finally:
-        fn(-1)
-
-
-@functools.cache
-def _set_exact_rows() -> Any:
-    fn = ggml_symbol("ggml_cpu_set_exact_rows")
-    if fn is not None:
-        fn.restype, fn.argtypes = None, [ctypes.c_int]
-    return fn
 
 
 def offload_devices() -> list[str]:

@@ -8,7 +8,6 @@ output equals plain decoding; sampling keeps the target's distribution exactly.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import threading
@@ -23,7 +22,6 @@ from eesd_local.defaults import BATCH_MS, DRAFT_MAX, N_CTX, PREFILL_CHUNK
 from eesd_local.errors import EesdError
 from eesd_local.llama import costs
 from eesd_local.llama.catalog import resolve_model
-from eesd_local.llama.ggmlapi import prefill_kernels
 from eesd_local.llama.rpc import parse_endpoints
 from eesd_local.llama.runtime import Context, ContextParams, Detokenizer, Model, common_prefix, exactness
 from eesd_local.llama.trunk import open_split
@@ -228,11 +226,10 @@ class Engine:
         t_start = 0.0
         try:
             t0 = time.perf_counter()
-            with prefill_kernels() if self.exact else contextlib.nullcontext():
-                n_fed = self._prefill(prompt)  # the last prompt token gives the first logits
-                t_fed = time.perf_counter() - t0
-                first = self._pick(ctx.logits(), params, rng)
-                drafter.begin(prompt)
+            n_fed = self._prefill(prompt)  # the last prompt token gives the first logits
+            t_fed = time.perf_counter() - t0
+            first = self._pick(ctx.logits(), params, rng)
+            drafter.begin(prompt)
             ctl.begin_request()
             share = getattr(drafter, "weight_share", 0.0)  # a model drafter's weights over the target's
             if share and n_fed >= 16 and hasattr(ctl, "prime_resume"):
