@@ -175,9 +175,9 @@ def test_cli_nothing_listening(qwen05_path):
     assert time.monotonic() - t0 < 60
 
 
-# prompts whose prefill is one batch of 17..64 tokens: the same kernels run it on the server (one
-# batch, over the patch's 16 rows) as in the local exact path (one chunk of 64), so the two runs'
-# greedy texts must be byte-identical
+# prompts whose prefill is one batch of 17..64 tokens: the server (one batch) and the local exact path
+# (one chunk of 64) run the same batch-invariant kernels, so the two runs' greedy texts must be
+# byte-identical
 PROMPTS = ["Write a Python function that checks whether a string is a palindrome.",
            "Explain in two sentences what a hash map is and when to use one."]
 
