@@ -5,7 +5,7 @@ LLAMA_CPP_LIB_PATH names) and alternates which goes first, so that load on a sha
 falls on both alike. A worker measures, on one model with the engine's context settings:
 - prefill tokens/s of prompts of 512, 64 and 12 tokens (logits for the last row only), and of the
   512 tokens decoded in chunks of 64 (how the engine decodes a prompt where output is exact);
-- plain decode tokens/s (one token per decode, 64 tokens);
+- plain decode tokens/s (one token per decode, 96 tokens);
 - B(k), the time of a batch of k tokens over one token, k = 1..64 (medians of 7, of 3 from 24 up);
 - whether every row of a 96-token greedy continuation is bit-identical decoded one token at a
   time and in batches of 2..95.
