@@ -8,19 +8,25 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-from eesd_local.errors import EesdError
-
 __all__ = ["EesdError", "load", "LLM", "Engine", "EngineConfig"]
 
+# The package imports nothing when it is imported: the console scripts (eesd_local.startup) import it
+# before their Ctrl-C handler is in place. (A local TYPE_CHECKING: typing itself is not loaded yet.)
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any
+
     from eesd_local.api import LLM, load
+    from eesd_local.errors import EesdError
     from eesd_local.spec.engine import Engine, EngineConfig
 
 
 def __getattr__(name: str) -> Any:
     # PEP 562: `import eesd_local` stays light; the engine (llama.cpp, numba) loads when asked for
+    if name == "EesdError":
+        from eesd_local import errors  # noqa: PLC0415 - lazy, as below
+
+        return errors.EesdError
     if name in ("load", "LLM"):
         from eesd_local import api  # noqa: PLC0415 - lazy public API: llama.cpp and numba load on first use
 
