@@ -2,12 +2,11 @@
 an isolated EESD_HOME for tests that write to the cache.
 
 Tiers: a test that loads a real demo model is marked ``model`` (by hand, or here when it uses a
-demo-model fixture or names a demo model); ``pytest -m "not model"`` is the fast tier, and a
-fast-tier run that loads a real model anyway fails (pytest_configure)."""
+demo-model fixture); ``pytest -m "not model"`` is the fast tier, and a fast-tier run that loads a
+real model anyway fails (pytest_configure): a missing mark cannot hide."""
 
 from __future__ import annotations
 
-import inspect
 import os
 import signal
 from pathlib import Path
@@ -57,28 +56,14 @@ def isolated_home(tmp_path, monkeypatch) -> Path:
 
 
 DEMO_FIXTURES = {"qwen05_path", "gemma_path"}
-DEMO_NAMES = (QWEN05, QWEN15, GEMMA, "QWEN05", "QWEN15", "GEMMA", "DEFAULT_MODEL")
 TINY_BYTES = 32 << 20  # the synthetic models of gguf.tiny are a few MB; the smallest demo model is 253 MB
 
 
-def _source(fn) -> str:
-    try:
-        return inspect.getsource(fn)
-    except (OSError, TypeError):
-        return ""
-
-
-def _names_a_demo_model(item: pytest.Item) -> bool:
-    """The test, or a fixture it uses, names a demo model."""
-    fns = [getattr(item, "function", None)]
-    for defs in getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {}).values():
-        fns += [d.func for d in defs]
-    return any(any(name in _source(fn) for name in DEMO_NAMES) for fn in fns if fn is not None)
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # a test that takes a demo model's fixture is in the model tier; any other test that loads a real model
+    # says so with @pytest.mark.model (the fast tier fails a test that loads one without it: pytest_configure)
     for item in items:
-        if DEMO_FIXTURES & set(getattr(item, "fixturenames", ())) or _names_a_demo_model(item):
+        if DEMO_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.model)
 
 

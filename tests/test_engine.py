@@ -16,6 +16,8 @@ from eesd_local.tools import heads
 
 from .conftest import QWEN05
 
+pytestmark = pytest.mark.model  # every test here loads a demo model
+
 PROMPTS = [json.loads(line) for line in (Path(__file__).parent / "data" / "lossless_prompts.jsonl").read_text().splitlines()]
 MAX_TOKENS = 32
 

@@ -28,6 +28,8 @@ from eesd_local.spec.events import FinishEvent, RoundEvent, TokenEvent
 
 from .conftest import QWEN05
 
+pytestmark = pytest.mark.model  # every test here loads a demo model
+
 PROMPTS = [json.loads(line) for line in (Path(__file__).parent / "data" / "exact_prompts.jsonl").read_text().splitlines()]
 MAX = 32
 SUB = [p for i, p in enumerate(PROMPTS) if i % 3 == 0 or p["kind"] == "long"]  # a third, and every long input

@@ -22,20 +22,26 @@ def _run(code: str) -> str:
 
 def test_importing_everything_changes_nothing_in_the_process():
     code = """
-import importlib, json, pkgutil
+import importlib, json, pkgutil, signal, sys
 import llama_cpp, llama_cpp.llama_cpp as raw
-from numba.core import caching
-before = (raw.llama_model_default_params, list(caching.CompileResultCacheImpl._locator_classes))
+from numba.core import caching, event
+listeners = lambda: {kind: list(ls) for kind, ls in event._registered.items() if ls}
+before = (raw.llama_model_default_params, list(caching.CompileResultCacheImpl._locator_classes), listeners(),
+          signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), sys.unraisablehook, sys.excepthook)
 import eesd_local, eesd_chat
 for pkg in (eesd_local, eesd_chat):
     for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
         importlib.import_module(m.name)
 from eesd_local.llama import memtune
-after = (raw.llama_model_default_params, list(caching.CompileResultCacheImpl._locator_classes))
+after = (raw.llama_model_default_params, list(caching.CompileResultCacheImpl._locator_classes), listeners(),
+         signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), sys.unraisablehook, sys.excepthook)
 print(json.dumps({"defaults": before[0] is after[0] and llama_cpp.llama_model_default_params is before[0],
-                  "locators": before[1] == after[1], "malloc": memtune._done}))
+                  "locators": before[1] == after[1], "listeners": [repr(x) for x in after[2].items() if x not in before[2].items()],
+                  "handlers": before[3:] == after[3:], "malloc": memtune._done}))
 """
-    assert json.loads(_run(code)) == {"defaults": True, "locators": True, "malloc": False}
+    # no Numba event listener (jitcache's HoldSignals listens only while a kernel compiles), no signal
+    # handler or hook: a program that imports eesd_local keeps its own
+    assert json.loads(_run(code)) == {"defaults": True, "locators": True, "listeners": [], "handlers": True, "malloc": False}
 
 
 def test_the_first_model_makes_the_process_settings():

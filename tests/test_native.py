@@ -82,6 +82,7 @@ MESSAGES = [
 
 
 @pytest.mark.parametrize("name", list(DRAFTERS))
+@pytest.mark.model
 def test_native_equals_python_on_the_demo_model(name, monkeypatch):
     if name == "auto":  # a machine where the exit head can pay (elsewhere auto is lookup itself): both sources
         flat = costs.CostProfile(20.0, {k: 1.0 + 0.02 * (k - 1) for k in costs.KS}, {})
@@ -99,6 +100,7 @@ def test_native_equals_python_on_the_demo_model(name, monkeypatch):
 
 
 @pytest.mark.parametrize(("name", "k"), [("lookup", 3), ("eesd", 1), ("draft-model", 3)])
+@pytest.mark.model
 def test_probe_rounds_native_equals_python_and_plain(name, k, monkeypatch):
     """Rounds verified without the bonus (cost-ts's probes; here forced on fixed:k for every round):
     the same tokens in both loops, greedy output equal to plain decoding, rounds that end on a draft."""

@@ -660,7 +660,6 @@ httpx = pytest.importorskip("httpx")
 
 FUZZ_BODIES = int(os.environ.get("EESD_FUZZ_BODIES", "500"))  # CI runs the default
 FUZZ_SEED = int(os.environ.get("EESD_FUZZ_SEED", "34"))
-FUZZ_SECONDS = float(os.environ.get("EESD_FUZZ_SECONDS", "600"))  # a bound on the loop, whatever the machine
 REFERENCE = {"prompt": "def add(a, b):", "max_tokens": 6, "temperature": 0}
 
 
@@ -815,10 +814,7 @@ def test_fuzzed_bodies_get_a_2xx_or_a_4xx_never_a_500(server):
     rng = random.Random(FUZZ_SEED)
     reference = _post(server, "/v1/completions", REFERENCE).json()["choices"][0]["text"]
     seen: dict[int, int] = {}
-    t0 = time.monotonic()
-    for i in range(FUZZ_BODIES):
-        if time.monotonic() - t0 > FUZZ_SECONDS:
-            break
+    for i in range(FUZZ_BODIES):  # every run sends the same bodies, however fast the machine
         path, body = _random_body(rng)
         r = _post(server, path, body)
         seen[r.status_code] = seen.get(r.status_code, 0) + 1

@@ -79,10 +79,9 @@ def test_addresses_parse():
 
 
 def test_nothing_listening_is_one_clear_error():
-    t0 = time.monotonic()
-    with pytest.raises(RpcError, match="nothing listens"):
+    # refused at once, said as such: waiting out the timeout would say "did not answer within"
+    with pytest.raises(RpcError, match="nothing listens .*connection refused"):
         probe(f"127.0.0.1:{_free_port()}", timeout=3.0)
-    assert time.monotonic() - t0 < 3.0  # refused at once: no wait for the timeout
 
 
 def test_a_silent_server_times_out():
@@ -164,7 +163,6 @@ def rpc_server() -> Iterator[tuple[str, subprocess.Popen]]:
 
 @pytest.mark.model
 def test_cli_nothing_listening(qwen05_path):
-    t0 = time.monotonic()
     res = subprocess.run([*EESD, "generate", "--model", str(qwen05_path), "--rpc", f"127.0.0.1:{_free_port()}",
                           "--n-gpu-layers", "-1", "--prompt", "hi", "--max-tokens", "4"],
                          capture_output=True, text=True, timeout=120)
@@ -172,7 +170,6 @@ def test_cli_nothing_listening(qwen05_path):
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("eesd: error:")]
     assert len(errors) == 1 and "nothing listens" in errors[0], res.stderr
     assert "Traceback" not in res.stderr
-    assert time.monotonic() - t0 < 60
 
 
 # prompts whose prefill is one batch of 17..64 tokens: the server (one batch) and the local exact path

@@ -132,6 +132,7 @@ def test_draft_rows_cover_only_v_prime_and_sampling_stays_exact(pair):
     split.clear()
 
 
+@pytest.mark.model
 def test_the_engine_runs_eesd_on_the_split_target(monkeypatch):
     with eesd_local.load(QWEN05, drafter="eesd", n_ctx=1024, controller="fixed:3") as eng:
         assert isinstance(eng.ctx, trunk.SplitTarget) and eng.trunk is eng.ctx.trunk

@@ -400,6 +400,7 @@ class Interrupted(ChatApp):
 
 
 @pytest.mark.parametrize("when", ["mount", "ready"])
+@pytest.mark.model
 def test_a_sigint_ends_the_chat_wherever_it_lands(when):
     """run_app's handler never raises inside Textual (a KeyboardInterrupt in its start or shutdown could leave
     a chat that no signal ends, as CI once saw): the app ends once its screen is whole, then run_app raises."""

@@ -17,7 +17,8 @@ removed and its kernel compiled again.
 
 While Numba holds its compiler lock (compiling a kernel, or loading one from the cache), a SIGINT or
 SIGTERM whose handler is Python's is held and delivered once the lock is released (:class:`HoldSignals`,
-registered at import): the handler would otherwise raise inside llvmlite's ctypes callbacks, whose C
+listening only while one of these kernels compiles or loads: importing registers nothing, and other
+Numba code in the process compiles as before): the handler would otherwise raise inside llvmlite's ctypes callbacks, whose C
 side then goes on with what the callback never returned (a segmentation fault, seen 1 in ~150 Ctrl-Cs
 landing while eesd-chat loads).
 """
@@ -86,7 +87,26 @@ class HoldSignals(event.Listener):
         self.pending = []
 
 
-event.register("numba:compiler_lock", HoldSignals())
+_HOLD = HoldSignals()
+_listening = threading.local()
+
+
+def _holding_signals(compile: Callable) -> Callable:
+    """``compile`` (a kernel's) with :class:`HoldSignals` listening meanwhile; nested compiles (a cfunc's
+    callees) inside the outermost one's listening."""
+
+    @functools.wraps(compile)
+    def held(*args: Any, **kw: Any) -> Any:
+        if getattr(_listening, "on", False):
+            return compile(*args, **kw)
+        _listening.on = True
+        try:
+            with event.install_listener("numba:compiler_lock", _HOLD):
+                return compile(*args, **kw)
+        finally:
+            _listening.on = False
+
+    return held
 
 _PACKAGE = Path(__file__).resolve().parent
 # the kernel files: the controllers' and the simulator's (whose run_rounds calls them)
@@ -152,7 +172,10 @@ def _cache_class() -> type | None:
 
 
 def _cached(compiled: Any, py_func: Any) -> Any:
-    """``compiled`` (a dispatcher or a cfunc) with the kernels' cache, or Numba's own as a fallback."""
+    """``compiled`` (a dispatcher or a cfunc) with the kernels' cache, or Numba's own as a fallback, and
+    signals held while it compiles or loads (Numba calls a dispatcher's ``compile`` for a call from
+    Python and for a call from another kernel alike)."""
+    compiled.compile = _holding_signals(compiled.compile)
     cache = _cache_class()
     if cache is None:
         compiled.enable_caching()
