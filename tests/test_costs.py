@@ -178,6 +178,19 @@ def test_a_disturbed_measurement_is_not_kept_nor_decided_from(fake, monkeypatch)
     assert len(calls) == 2  # measured again next time
 
 
+def test_a_profile_that_stops_short_of_the_longest_drafts_is_measured_again(fake):
+    """A profile kept before drafts grew to 64 tokens (batches of 1..9 only) would price a verify of 65 rows by
+    extrapolation: it is measured again, and the note says why."""
+    model, calls = fake
+    fp = costs.fingerprint(model.path, n_threads=2)
+    costs.keep(model.path, 20.0, {k: 1.0 + 0.5 * (k - 1) for k in range(1, 10)}, n_threads=2, repeats=3)
+    got, why = costs.cached(fp)
+    assert got is None and "stops at batches of 9 tokens" in why and f"up to {max(costs.KS)}" in why
+    prof = costs.profile(model, n_threads=2)
+    assert calls and max(prof.bk) == max(costs.KS) and "stops at batches of 9" in prof.note
+    assert costs.cached(fp)[0] is not None  # kept, whole
+
+
 @pytest.mark.parametrize("bk, ok", [({1: 1.0, 2: 1.8, 3: 2.3}, True), ({1: 1.0, 2: 1.02, 3: 1.05}, True),
                                      ({1: 1.0, 2: 0.5}, False), ({1: 1.0, 2: 3.0, 3: 2.0}, False)])
 def test_plausible(bk, ok):
@@ -190,7 +203,7 @@ def test_the_engine_plans_from_the_kept_profile(tmp_path, isolated_home):
     path = write_tiny_gguf(tmp_path / "tiny.gguf", seed=0)
     with eesd_local.load(str(path), drafter="lookup", n_ctx=512) as eng:
         assert eng.controller.state[L.BATCH_COSTS] != PROFILE_COSTS  # nothing kept yet: timed online
-    bk = {k: 1.0 + 0.7 * (k - 1) for k in range(1, 10)}
+    bk = {k: 1.0 + 0.7 * (k - 1) for k in costs.KS}
     costs.keep(path, 4.0, bk, n_threads=default_threads(), repeats=3)
     with eesd_local.load(str(path), drafter="lookup", n_ctx=512) as eng:
         st = eng.controller.state

@@ -33,7 +33,10 @@ from eesd_local.llama.runtime import Context, ContextParams
 from eesd_local.paths import cache_dir
 
 FORMAT = 1
-KS = (1, 2, 3, 4, 5, 6, 7, 8, 9)  # a verify batch holds at most draft_max + 1 = 9 tokens by default
+# a verify batch holds draft_max + 1 tokens: 9 by default, 65 for the longest drafts (lookup on an edit);
+# between the sizes measured above 9, B(k) is on the line through its neighbours (a CPU's cost per row
+# is near constant there: BENCHMARKS.md)
+KS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17, 33, 65)
 PREFIX = 64  # tokens in the cache before each timed decode
 REPEATS = 5
 BUDGET_S = 8.0  # most seconds a measurement at load time takes (0.5B here: ~2 s, 1.5B: ~5 s)
@@ -135,6 +138,9 @@ def cached(fp: dict[str, Any]) -> tuple[CostProfile | None, str]:
         if d["fingerprint"] != fp:
             return None, f"the kept cost profile {path.name} is for another machine or build: measured again"
         bk = {int(k): float(v) for k, v in d["bk"].items()}
+        if max(bk, default=0) < max(KS):
+            return None, (f"the kept cost profile {path.name} stops at batches of {max(bk, default=0)} tokens: "
+                          f"measured again up to {max(KS)}")
         t1 = float(d["t1_ms"])
         if not (t1 > 0 and bk.get(1) == 1.0 and all(math.isfinite(v) and v > 0 for v in bk.values()) and len(bk) >= 2
                 and plausible(bk)):
