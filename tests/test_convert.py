@@ -30,10 +30,11 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 
 from eesd_local.cli import main
 from eesd_local.errors import EesdError
-from eesd_local.gguf.headfile import base_block_tensors, build_draft, fingerprint, head_tensors, read_head_info
+from eesd_local.gguf.headfile import base_block_tensors, build_draft, fingerprint, head_draft_vocab, head_tensors, read_head_info
 from eesd_local.llama.catalog import DEFAULT_MODEL, get_spec
 from eesd_local.paths import cache_dir
 from eesd_local.tools.convert import convert
+from eesd_local.tools.heads.draftvocab import draft_vocab
 
 # real text: English prose and Python source from the standard library
 TEXT = argparse.__doc__.strip()[:600] + "\n\n" + inspect.getsource(textwrap.indent)
@@ -270,6 +271,7 @@ def test_head_converted_alongside(tiny_llama_plain_rope, tmp_path, isolated_home
     info = read_head_info(head_gguf)
     assert (info["arch"], info["exit_layer"], info["steps"], info["final_loss"]) == ("llama", 1, 12, 0.5)
     assert info["base_fingerprint"] == fingerprint(out)
+    assert np.array_equal(head_draft_vocab(head_gguf), draft_vocab(out))  # the shared trunk's V' travels with it
     block = [f"blk.1.{n}.weight" for n in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")]
     assert sorted(info["tensors"]) == sorted([*block, "output_norm.weight", "output.weight"])
     ours, base = head_tensors(head_gguf), base_block_tensors(out, 1)  # same source, same conversion (q/k permuted alike)

@@ -114,6 +114,42 @@ def _head(base: Path, out: Path, n: int, **meta) -> Path:
 
 
 @needs_demo
+def test_the_head_carries_its_draft_vocabulary(tiny, tmp_path):
+    """V' travels in the head GGUF (written by heads train and convert): read back as written; added to a
+    head without one with every other key and tensor unchanged; a damaged list is one clear error."""
+    base = tiny[0]
+    plain = _head(base, tmp_path / "h.gguf", 2)
+    assert headfile.head_draft_vocab(plain) is None
+    v = np.array([0, 3, 7, 200, 299], dtype=np.int32)
+    tensors = headfile.base_block_tensors(base, LAYERS - 1)
+    carried = headfile.write_head(tmp_path / "v.gguf", base_path=base, exit_layer=2, tensors=tensors, meta={}, draft_vocab=v)
+    assert np.array_equal(headfile.head_draft_vocab(carried), v) and headfile.head_draft_vocab(carried, 6) is None
+    added = headfile.with_draft_vocab(plain, v, tmp_path / "added.gguf")
+    assert np.array_equal(headfile.head_draft_vocab(added), v)
+    before, after = headfile.head_tensors(plain), headfile.head_tensors(added)
+    assert before.keys() == after.keys() and all(np.array_equal(before[k], after[k]) for k in before)
+    info_before, info_after = read_head_info(plain), read_head_info(added)
+    assert {k: x for k, x in info_before.items() if k != "path"} == {k: x for k, x in info_after.items() if k != "path"}
+    for bad in ([3, 1, 2], [], [-1, 2]):
+        with pytest.raises(EesdError, match="draft vocabulary"):
+            headfile.write_head(tmp_path / "bad.gguf", base_path=base, exit_layer=2, tensors=tensors, meta={},
+                                draft_vocab=np.array(bad, dtype=np.int32))
+
+
+@needs_demo
+def test_the_draft_vocabulary_needs_no_training_package(tiny, monkeypatch, isolated_home):
+    """Without ShareGPT (a plain install: it is in the dev and train extras only), a V' a head does not carry is
+    counted from the stdlib source alone, not refused."""
+    def missing():
+        raise EesdError("the ShareGPT data is not installed")
+
+    monkeypatch.setattr(data, "sharegpt_records", missing)
+    monkeypatch.setattr(data, "source_items", lambda: [data.Item("f", "source", text="def f(x):\n    return x + 1\n" * 50)])
+    v = dv.draft_vocab(tiny[0], 64)
+    assert len(v) == 64 and np.all(np.diff(v) > 0)
+
+
+@needs_demo
 def test_head_round_trip(tiny, tmp_path):
     base = tiny[0]
     src = headfile.base_block_tensors(base, LAYERS - 1)

@@ -2,7 +2,9 @@
 
 A head file is a small GGUF: the exit block named as block N of the base architecture
 (``blk.N.*``), its final norm (``output_norm.weight``), optionally its own LM head
-(``output.weight``), and ``eesd.head.*`` metadata tying it to its base (fingerprint, N).
+(``output.weight``), and ``eesd.head.*`` metadata tying it to its base (fingerprint, N) and
+carrying the shared trunk's draft vocabulary V' (``eesd.head.draft_vocab``: the sorted token ids the
+draft's LM head keeps), so that running the head never needs the text V' was counted from.
 A draft is base + head materialised as an ordinary GGUF that llama.cpp loads: the base's
 metadata with ``{arch}.block_count = N+1``, the base's ``token_embd`` and ``blk.0..N-1``
 copied byte for byte, then the exit block, the norm, and an LM head (the head's own, or the
@@ -34,6 +36,7 @@ DRAFT_FORMAT = 1
 _FP_CHUNK = 1 << 16
 FFN_PARTS = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
 _FP_SAMPLES = 16
+DRAFT_VOCAB_KEY = "eesd.head.draft_vocab"
 
 
 def _reader(path: Path, **kw) -> ggufread.GGUFHeader:
@@ -146,9 +149,11 @@ def write_head(
     meta: dict[str, Any],
     qtype: str = "Q8_0",
     force: bool = True,
+    draft_vocab: np.ndarray | None = None,
 ) -> Path:
     """Write a head GGUF. ``tensors`` maps block-local names ('attn_q.weight', ..., and
-    'output_norm.weight' / 'output.weight') to float32 arrays in torch layout [out, in]."""
+    'output_norm.weight' / 'output.weight') to float32 arrays in torch layout [out, in]; ``draft_vocab``:
+    the shared trunk's V' (sorted token ids) that travels with the head."""
     info = model_info(base_path)
     check_exit_layer(exit_layer, info["n_layer"], str(base_path))
     qt = gguf.GGMLQuantizationType[qtype]
@@ -162,6 +167,8 @@ def write_head(
         w.add_uint32("eesd.head.base_n_layer", info["n_layer"])
         w.add_uint32("eesd.head.exit_layer", exit_layer)
         w.add_string("eesd.head.meta", json.dumps(meta, sort_keys=True))
+        if draft_vocab is not None:
+            w.add_array(DRAFT_VOCAB_KEY, _checked_vocab(draft_vocab, info["n_vocab"] or None, str(path)).tolist())
         for name, arr in tensors.items():
             arr = np.ascontiguousarray(arr, dtype=np.float32)
             full = name if name.startswith("output") else f"blk.{exit_layer}.{name}"
@@ -174,6 +181,53 @@ def write_head(
         w.write_tensors_to_file()
         w.close()
     return path
+
+
+def _checked_vocab(vocab: Any, n_vocab: int | None, where: str) -> np.ndarray:
+    v = np.asarray(vocab)
+    if v.ndim != 1 or not len(v) or v.dtype.kind not in "iu" or np.any(np.diff(v) <= 0) or v[0] < 0 \
+            or (n_vocab is not None and v[-1] >= n_vocab):
+        raise EesdError(f"{where}: the draft vocabulary is not a sorted list of distinct token ids of the model",
+                        hint="the head file is damaged: retrain or re-download it")
+    return v.astype(np.int32)
+
+
+def head_draft_vocab(head_path: Path, size: int | None = None) -> np.ndarray | None:
+    """V' as the head carries it (sorted int32 token ids), or None for a head written without one (or one
+    of another size than ``size``)."""
+    reader = _reader(Path(head_path))
+    v = reader.kv.get(DRAFT_VOCAB_KEY)
+    if v is None:
+        return None
+    v = _checked_vocab(v, None, str(head_path))  # against the model's vocabulary where it is used (trunk.open_split)
+    return v if size is None or len(v) == size else None
+
+
+def with_draft_vocab(head_path: Path, vocab: np.ndarray, out: Path | None = None) -> Path:
+    """A copy of the head at ``out`` (default: in place) that carries ``vocab`` as its V': every other key and
+    tensor byte for byte."""
+    head_path = Path(head_path)
+    read_head_info(head_path)  # a head, or one clear error
+    src = gguf.GGUFReader(str(head_path))
+    vocab = _checked_vocab(vocab, None, str(head_path))
+    with atomic_path(Path(out or head_path), force=True) as tmp:
+        w = gguf.GGUFWriter(str(tmp), HEAD_ARCH)
+        for field in src.fields.values():
+            if field.name.startswith("GGUF.") or field.name in ("general.architecture", DRAFT_VOCAB_KEY):
+                continue
+            vtype = field.types[0]
+            if vtype == gguf.GGUFValueType.ARRAY:
+                w.add_key_value(field.name, field.contents(), vtype, sub_type=field.types[-1])
+            else:
+                w.add_key_value(field.name, field.contents(), vtype)
+        w.add_array(DRAFT_VOCAB_KEY, vocab.tolist())
+        for t in src.tensors:
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)  # quantized: its bytes, shaped per row
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return Path(out or head_path)
 
 
 def read_head_info(head_path: Path) -> dict:

@@ -54,6 +54,7 @@ from eesd_local.gguf.headfile import (
     draft_key,
     exit_tensors,
     fingerprint,
+    head_draft_vocab,
     model_info,
     read_head_info,
     read_head_pair,
@@ -400,7 +401,13 @@ def open_split(model: Model, head_path: Path, params: ContextParams, *, vocab_si
 
     base_path = Path(model.path)
     exit_layer = int(read_head_info(Path(head_path))["exit_layer"])
-    vocab = read_draft_vocab(base_path, vocab_size)  # computed by the app layer (tools/draftvocab.py)
+    # the V' the head carries, else the one the app layer computed (tools/heads/draftvocab.py)
+    vocab = head_draft_vocab(Path(head_path), vocab_size)
+    if vocab is None:
+        vocab = read_draft_vocab(base_path, vocab_size)
+    elif int(vocab[-1]) >= model.n_vocab:
+        raise EesdError(f"{Path(head_path).name}: its draft vocabulary names token {int(vocab[-1])}, beyond "
+                        f"{base_path.name}'s {model.n_vocab}", hint="the head is not for this model, or damaged")
     trunk_path = build_trunk(base_path, Path(head_path), vocab, force=force)
     tail_path = build_tail(base_path, exit_layer, force=force)
     table = EmbedTable(base_path)

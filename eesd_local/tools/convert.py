@@ -31,6 +31,7 @@ import numpy as np
 from eesd_local.atomic import atomic_path, check_overwrite
 from eesd_local.errors import EesdError
 from eesd_local.gguf.headfile import check_exit_layer, write_head
+from eesd_local.tools.heads.draftvocab import draft_vocab
 
 # progress(done_tensors, total_tensors, gguf_name) is called after each tensor is written
 Progress = Callable[[int, int, str], None]
@@ -590,5 +591,6 @@ def convert(
 
     if head_src is not None:
         write_head(head_path, base_path=out_path, exit_layer=head_src.exit_layer, tensors=head_arrays(head_src, config, arch),
-                   meta=head_src.meta, qtype=OUTTYPES[outtype][0].name, force=force)
+                   meta=head_src.meta, qtype=OUTTYPES[outtype][0].name, force=force,
+                   draft_vocab=draft_vocab(out_path))  # the shared trunk's V' travels with the head
     return out_path

@@ -12,7 +12,10 @@ training split of the ShareGPT assistant turns and of the stdlib source (models/
 held-out rules), read from the installed packages, so that every machine computes the same V'
 (it once also counted the head-training teacher cache, which made V' depend on what a machine
 had trained before: a head trained on one V' ran with another). The end-of-generation tokens
-are always in V'. The list is computed once per model and size and cached.
+are always in V'. The list is computed once per model and size and cached. A head carries the V'
+it was made with (``eesd.head.draft_vocab``, written by ``eesd heads train`` and ``eesd convert``), which
+the engine takes before this; where neither exists and ShareGPT is not installed (a plain install: it
+is in the dev and train extras only), the stdlib source alone is counted.
 """
 
 from __future__ import annotations
@@ -31,9 +34,12 @@ from eesd_local.tools.heads import data
 def token_counts(base_path: Path, n_vocab: int, *, max_chars: int = 16_000_000) -> np.ndarray:
     """How often the model would write each token, from training text (the same on every machine)."""
     counts = np.zeros(n_vocab, dtype=np.int64)
-    model = Model(base_path, vocab_only=True)
     try:
         items = data.interleave(data.sharegpt_text_items(), data.source_items(), weights=(0.7, 0.3))
+    except EesdError:  # ShareGPT is in the dev and train extras only: the Python source every install has
+        items = data.source_items()
+    model = Model(base_path, vocab_only=True)
+    try:
         used = 0
         for it in items:
             if used >= max_chars:

@@ -576,6 +576,8 @@ def train_head(
         last = int(h.kv[f"{h.kv['general.architecture']}.block_count"]) - 1
         summary["ffn_from_base_block"] = last if cfg.init_from is None else cfg.init_from
     if out_path is not None:
+        from eesd_local.tools.heads import draftvocab  # noqa: PLC0415 - as above
+
         write_head(
             out_path,
             base_path=base_path,
@@ -584,6 +586,7 @@ def train_head(
             meta=summary,
             qtype=cfg.head_qtype,
             force=force,
+            draft_vocab=draftvocab.draft_vocab(base_path),  # the shared trunk's V' travels with the head
         )
     summary["interrupted"] = stop["flag"]
     return summary
