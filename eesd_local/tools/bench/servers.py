@@ -116,13 +116,13 @@ def _post(url: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S) ->
 class ServerProcess:
     """A server on 127.0.0.1: started, waited for (``/health``), stopped."""
 
-    def __init__(self, argv: list[str], port: int, what: str) -> None:
+    def __init__(self, argv: list[str], port: int, what: str, env: dict[str, str] | None = None) -> None:
         self.port, self.what = port, what
         self.log = tempfile.NamedTemporaryFile(prefix="eesd-peer-", suffix=".log", delete=False)
         # a process group of its own: stop_all reaches it and whatever it started, Ctrl-C at the
         # terminal does not (the benchmark stops it in order)
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+                                     start_new_session=True, env=env)
         _LIVE.append(self.proc)
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
@@ -177,6 +177,13 @@ class ServerProcess:
             pass
 
 
+# llama-server as users install it: llama.cpp's own kernel choice. The tools the set-up builds share the
+# patched ggml (their libraries are the engine's); GGML_CPU_EXACT_ROWS=0 turns the patch off in the peer's
+# process only, so every peer row is measured with stock kernels (and labelled so)
+STOCK_ENV = {"GGML_CPU_EXACT_ROWS": "0"}
+STOCK = " (stock kernels)"
+
+
 def llama_server_argv(model_path: Path, port: int, *, spec_type: str | None, draft_model: Path | None, n_ctx: int,
                       n_threads: int, n_gpu_layers: int, rpc: tuple[str, ...] = ()) -> list[str]:
     argv = [str(find_binary("llama-server")), "-m", str(model_path), "--host", "127.0.0.1", "--port", str(port),
@@ -210,7 +217,7 @@ class LlamaServerPeer:
         self.spec = spec
         self.exact = False
         kind = spec.server_spec
-        self.drafter = f"llama-server --spec-type {kind}" if kind else "llama-server"
+        self.drafter = (f"llama-server --spec-type {kind}" if kind else "llama-server") + STOCK
         self.controller = "-"
         why = peer_unusable(kind, str(draft_model) if draft_model else None) if kind else None
         if why:
@@ -219,7 +226,7 @@ class LlamaServerPeer:
         argv = llama_server_argv(model_path, port, spec_type=kind or None,
                                  draft_model=draft_model if kind == "draft-simple" else None,
                                  n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, rpc=rpc)
-        self.server = ServerProcess(argv, port, self.drafter)
+        self.server = ServerProcess(argv, port, self.drafter, env={**os.environ, **STOCK_ENV})
         self.model_bytes = model_path.stat().st_size + (draft_model.stat().st_size if kind == "draft-simple" and draft_model else 0)
 
     def generate(self, prompt: list[int], s: Sampling) -> Turn:
@@ -267,8 +274,10 @@ class HttpPeer:
             argv = llama_server_argv(model_path, port, spec_type=spec.server_spec or None,
                                      draft_model=draft_model if spec.server_spec == "draft-simple" else None,
                                      n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, rpc=rpc)
-            self.drafter = "llama-server" + (f" --spec-type {spec.server_spec}" if spec.server_spec else "")
+            self.drafter = "llama-server" + (f" --spec-type {spec.server_spec}" if spec.server_spec else "") + STOCK
+            env = {**os.environ, **STOCK_ENV}
         else:
+            env = None
             drafter = spec.server_spec or "auto"
             argv = [sys.executable, "-m", "eesd_local.cli", "serve", str(model_path), "--host", "127.0.0.1", "--port",
                     str(port), "--drafter", drafter, "--n-ctx", str(n_ctx), "--n-threads", str(n_threads),
@@ -278,7 +287,7 @@ class HttpPeer:
             if rpc:
                 argv += ["--rpc", ",".join(rpc)]
             self.drafter = f"eesd serve --drafter {drafter}"
-        self.server = ServerProcess(argv, port, self.drafter)
+        self.server = ServerProcess(argv, port, self.drafter, env=env)
         self.model_bytes = model_path.stat().st_size
 
     def generate(self, prompt: list[int], s: Sampling) -> Turn:
