@@ -37,6 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from eesd_local.api import completion
@@ -49,6 +50,9 @@ from eesd_local.spec.engine import Engine
 _R = TypeVar("_R", bound=BaseModel)
 QUEUE = 8  # requests that may wait while one runs; more get 429
 RETRY_AFTER_S = 1
+# the most bytes a request body may hold: a whole context of text, JSON-escaped, is far less (32k tokens of
+# \uXXXX-escaped text ~ 0.5 MB); a larger one is refused from its Content-Length before it is read
+MAX_BODY = 4 << 20
 
 # --- requests --------------------------------------------------------------
 
@@ -77,6 +81,14 @@ class Speculation(BaseModel):
         return v
 
 
+class StreamOptions(BaseModel):
+    """OpenAI's ``stream_options`` (with ``stream: true`` only). The last chunk of a stream always
+    carries ``usage`` (and ``speculation``), so ``include_usage`` changes nothing but must be a boolean."""
+
+    model_config = ConfigDict(extra="forbid")
+    include_usage: StrictBool | None = None
+
+
 class _Sampling(BaseModel):
     """The options every request takes. The sampling numbers are checked by :func:`params.check_sampling`
     (:meth:`sampling`), the same check as the API's and the command line's, with the same bounds and words."""
@@ -91,7 +103,15 @@ class _Sampling(BaseModel):
     stop: Any = None
     n: Any = 1
     stream: StrictBool = False
+    stream_options: StreamOptions | None = None
     speculation: Speculation | None = None
+
+    @field_validator("stream_options", mode="before")
+    @classmethod
+    def _stream_options(cls, v: Any) -> Any:
+        if v is not None and not isinstance(v, dict):
+            raise ValueError(f"must be an object such as {{\"include_usage\": true}}, got {show(v)}")
+        return v
 
     @field_validator("n")
     @classmethod
@@ -519,12 +539,12 @@ def create_app(engine: Engine, *, model_id: str, aliases: tuple[str, ...] = (), 
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Any:
-        body = _parse(CompletionRequest, await request.body())
+        body = _parse(CompletionRequest, await _read_body(request))
         return await _answer(body, False, body.prompt, request)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Any:
-        body = _parse(ChatCompletionRequest, await request.body())
+        body = _parse(ChatCompletionRequest, await _read_body(request))
         if body.max_completion_tokens is not None:
             try:
                 check_int("max_completion_tokens", body.max_completion_tokens, 1)
@@ -537,9 +557,17 @@ def create_app(engine: Engine, *, model_id: str, aliases: tuple[str, ...] = (), 
         if body.model is not None and body.model not in names:
             raise ApiError(400, f"model {body.model!r} is not served here; this server serves {model_id!r}",
                            param="model", code="model_not_found")
+        if body.stream_options is not None and not body.stream:  # as OpenAI answers it
+            raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options",
+                           hint="leave stream_options out or set stream to true")
         try:  # checked here, before the request queues: a bad number never waits for the engine
             # OpenAI's defaults: 16 tokens for a completion, the rest of the context for a chat
             sampling = body.sampling(engine.ctx.n_ctx if chat else 16)
+            if body.speculation is not None and body.speculation.draft_max is not None:
+                # a round verifies [last, d1..dk] in one batch of the target: a longer draft cannot run at all
+                n_batch = engine.ctx.n_batch
+                check_int("speculation.draft_max", body.speculation.draft_max, 1, n_batch - 1,
+                          hint=f"a round verifies its draft and one more token in one batch of the target's {n_batch}")
         except ParamError as exc:
             raise _bad_request(exc, exc.param) from None
         worker = state["worker"]
@@ -571,6 +599,31 @@ def create_app(engine: Engine, *, model_id: str, aliases: tuple[str, ...] = (), 
         return _joined(chunks, chat)
 
     return app
+
+
+async def _read_body(request: Request) -> bytes:
+    """The request body, at most MAX_BODY bytes: a larger Content-Length is a 413 before a byte of it
+    is read, and a body without one (chunked) is cut off as soon as it grows past the limit. A client
+    that hangs up before it sent the whole body gets a 499 it will not read (no traceback in the log)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > MAX_BODY:
+        raise _too_large(f"is {int(declared)} bytes, more than")
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY:
+                raise _too_large("is more than")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ApiError(499, "the client went away before it sent the whole request", type="cancelled") from None
+    return b"".join(chunks)
+
+
+def _too_large(what: str) -> ApiError:
+    return ApiError(413, f"the request body {what} the {MAX_BODY} bytes ({MAX_BODY >> 20} MiB) this server takes",
+                    code="request_too_large", hint="send a shorter prompt")
 
 
 _UNION_TAGS = ("str", "int", "float", "bool")  # pydantic names the member of a union it tried in the error's location

@@ -6,7 +6,8 @@ import argparse
 import sys
 import threading
 
-from eesd_local.llama.rpc import UNSAFE, is_loopback, serve
+from eesd_local.errors import EesdError
+from eesd_local.llama.rpc import UNSAFE, cache_folder, is_loopback, listen_address, port_in_use, serve
 from eesd_local.llama.runtime import default_threads
 from eesd_local.params import MAX_THREADS, check_int
 
@@ -28,20 +29,32 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     check_int("port", args.port, 1, 65535, hint="e.g. --port 50052")
     threads = default_threads() if args.threads is None else check_int("threads", args.threads, 1, MAX_THREADS)
-    if not is_loopback(args.host):
+    # before llama.cpp starts: its server says only "Failed to create server socket" for a bad host or a
+    # port in use, and writes no word when it cannot keep the cache it was given
+    address = listen_address(args.host, args.port)
+    cache = None if args.cache is None else cache_folder(args.cache)
+    if not is_loopback(address):
         print("eesd: warning: " + UNSAFE.format(where=f"{args.host}:{args.port}"), file=sys.stderr)
     # the server runs in llama.cpp until the process ends: a thread of its own, so Ctrl-C reaches Python
     done = threading.Event()
+    failed: list[EesdError] = []
 
     def work() -> None:
         try:
-            serve(args.host, args.port, threads, cache_dir=args.cache)
+            serve(address, args.port, threads, cache_dir=cache)
+        except EesdError as exc:  # no RPC backend, no device: said by the main thread, as any other error
+            failed.append(exc)
         finally:
             done.set()
 
     threading.Thread(target=work, name="rpc-server", daemon=True).start()
-    print(f"eesd rpc-server: listening on {args.host}:{args.port} ({threads} threads); Ctrl-C stops it", file=sys.stderr)
+    shown = args.host if address == args.host else f"{args.host} ({address})"
+    print(f"eesd rpc-server: listening on {shown}:{args.port} ({threads} threads); Ctrl-C stops it", file=sys.stderr)
     while not done.wait(0.5):
         pass
-    print("eesd rpc-server: the server stopped (the address may be taken)", file=sys.stderr)
-    return 2
+    if failed:
+        raise failed[0]
+    if port_in_use(address, args.port):  # another program took the port between the check and llama.cpp's bind
+        raise EesdError(f"the server stopped: {args.host}:{args.port} is in use",
+                        hint="another program listens there: stop it or pick another --port")
+    raise EesdError("the server stopped (llama.cpp's message above says why)")

@@ -18,10 +18,15 @@ otherwise.
 from __future__ import annotations
 
 import ctypes
+import errno
 import ipaddress
+import os
+import re
 import socket
 import struct
+import tempfile
 import threading
+from pathlib import Path
 
 from eesd_local.errors import EesdError
 from eesd_local.llama.ggmlapi import ggml_symbol, init_backend, rpc_failures
@@ -128,8 +133,81 @@ def add_servers(endpoints: list[str]) -> None:
             _added.add(ep)
 
 
+LISTEN_HINT = "pass an IPv4 address of this machine: --host 127.0.0.1 (this machine only) or --host 0.0.0.0 (every interface)"
+
+
+def listen_address(host: str, port: int) -> str:
+    """The IPv4 address ``host`` names, checked before llama.cpp's server starts: ggml's server binds
+    an IPv4 address given as numbers only (it says "Failed to create server socket" for anything else),
+    so a name is looked up here, and a host that names nothing, an IPv6 address, an address of another
+    machine or a port in use is an RpcError that says which."""
+    where = f"{host}:{port}"
+    if re.fullmatch(r"[\d.]+", host):  # dotted numbers are an IPv4 address or nothing: never a name to look up
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            raise RpcError(f"cannot listen on {where}: {host} is not an IPv4 address", hint=LISTEN_HINT) from None
+        address = host
+    else:
+        try:
+            ipaddress.IPv6Address(host.strip("[]"))
+        except ValueError:
+            pass
+        else:
+            raise RpcError(f"cannot listen on {where}: llama.cpp's RPC server listens on IPv4 addresses only",
+                           hint=LISTEN_HINT)
+        try:
+            address = str(socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
+        except UnicodeError:  # an empty label ("bad..host") or one too long
+            raise RpcError(f"cannot listen on {where}: {host!r} is not a valid host name", hint=LISTEN_HINT) from None
+        except OSError as exc:
+            raise RpcError(f"cannot listen on {where}: the host {host!r} names no IPv4 address "
+                           f"({exc.strerror or exc})", hint=LISTEN_HINT) from None
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # as ggml binds it (SO_REUSEADDR, then bind)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((address, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise RpcError(f"cannot listen on {where}: the port is in use",
+                               hint="another program listens there: stop it or pick another --port") from None
+            raise RpcError(f"cannot listen on {where}: {exc.strerror or exc}", hint=LISTEN_HINT) from None
+    return address
+
+
+def port_in_use(address: str, port: int) -> bool:
+    """Whether binding ``address``:``port`` now fails because another socket holds it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((address, port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
+def cache_folder(path: str | os.PathLike[str]) -> str:
+    """``path`` as a folder the server can keep tensors in (made if missing), absolute; an RpcError
+    where it cannot be made or written (ggml's server would fail to write each file without a word)."""
+    folder = Path(path).expanduser()
+    hint = "pass a folder you can write to, e.g. --cache ~/.cache/eesd-local/rpc"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise RpcError(f"cannot keep the cache in {str(path)!r}: it is a file, not a folder", hint=hint) from None
+    except OSError as exc:
+        raise RpcError(f"cannot make the cache folder {str(path)!r}: {exc.strerror or exc}", hint=hint) from None
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise RpcError(f"cannot write to the cache folder {str(path)!r}: {exc.strerror or exc}", hint=hint) from None
+    return str(folder.resolve())
+
+
 def serve(host: str, port: int, n_threads: int, *, cache_dir: str | None = None) -> None:
-    """Serve this machine's devices (its GPUs, else its CPU) to RPC clients until the process ends."""
+    """Serve this machine's devices (its GPUs, else its CPU) to RPC clients until the process ends;
+    ``host`` is an IPv4 address (:func:`listen_address`)."""
     init_backend()
     start = _fn("ggml_backend_rpc_start_server", None,
                 [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.POINTER(ctypes.c_void_p)])
