@@ -65,7 +65,9 @@ class CostProfile:
             return 1.0
         above = [x for x in ks if x > k]
         a, b = (max(x for x in ks if x < k), above[0]) if above else (ks[-2], ks[-1])
-        return self.bk[a] + (k - a) * (self.bk[b] - self.bk[a]) / (b - a)
+        line = self.bk[a] + (k - a) * (self.bk[b] - self.bk[a]) / (b - a)
+        # beyond the largest size, never below it (a profile whose last two sizes fell would go negative)
+        return line if above else max(line, self.bk[ks[-1]])
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
