@@ -14,7 +14,7 @@ import pytest
 
 import eesd_local
 from eesd_local.errors import EesdError
-from eesd_local.spec.drafters.base import NativeSpec, Proposal
+from eesd_local.spec.drafters.base import SRC_ANY, DrafterBase, NativeSpec, Proposal
 from eesd_local.spec.events import FinishEvent, TokenEvent
 
 from .conftest import QWEN05
@@ -306,18 +306,16 @@ def test_randomised_interleaving(loop, reference):
         eng.close()
 
 
-class _EveryOther:
-    """A drafter written outside the package: proposes the token that came two steps back."""
+class _EveryOther(DrafterBase):
+    """A drafter written outside the package: proposes the token that came two steps back (the protocol's
+    other members are DrafterBase's)."""
 
     name = "every-other"
 
     def __init__(self, native: bool) -> None:
         self._native = native
 
-    def begin(self, prompt):
-        pass
-
-    def propose(self, history, want_more, max_n, params, rng):
+    def propose(self, history, want_more, max_n, params, rng, source=SRC_ANY):
         prop = Proposal()
         if max_n > 0 and len(history) >= 2 and want_more(0, 1.0):
             prop.add(history[-2], None, 0.5)
@@ -326,8 +324,16 @@ class _EveryOther:
     def native(self):
         return NativeSpec(lookup=(1, 2)) if self._native else None
 
-    def close(self):
-        pass
+
+def test_a_drafter_object_without_the_protocol_is_one_clear_error():
+    class Half:
+        name = "half"
+
+        def propose(self, *args):
+            return Proposal()
+
+    with pytest.raises(EesdError, match="lacks n_sources, free_offers, weight_share, drafts, begin, offer, source_name, native, close"):
+        _open(Half())
 
 
 @pytest.mark.parametrize("native", [False, True])

@@ -136,6 +136,8 @@ class Engine:
             else:
                 self.ctx = Context(self.model, params)
             lap("context")
+            if config.draft_max == DRAFT_MAX and DRAFT_MAX + 1 > self.ctx.n_batch:  # the default, in a small context:
+                config = self.config = dataclasses.replace(config, draft_max=self.ctx.n_batch - 1)  # as long as fits
             if config.draft_max + 1 > self.ctx.n_batch:  # a round decodes [last, d1..dk] in one batch
                 raise EesdError(f"a draft of up to {config.draft_max} tokens does not fit the target's batch of "
                                 f"{self.ctx.n_batch} tokens", hint=f"use --draft-max {self.ctx.n_batch - 1} or less")
@@ -231,7 +233,7 @@ class Engine:
             first = self._pick(ctx.logits(), params, rng)
             drafter.begin(prompt)
             ctl.begin_request()
-            share = getattr(drafter, "weight_share", 0.0)  # a model drafter's weights over the target's
+            share = drafter.weight_share  # a model drafter's weights over the target's
             if share and n_fed >= 16 and hasattr(ctl, "prime_resume"):
                 ctl.prime_resume(share * t_fed / n_fed)  # until measured: catching up ~ its share of a prefill
             rounds, self.loop_note = native_round.open_loop(ctx, drafter, ctl, params, rng, draft_max=self.config.draft_max,
@@ -354,7 +356,7 @@ class Engine:
         """A controller for ``spec``; a fresh one knows this machine's batch costs from the kept cost
         profile (:meth:`Controller.prime_costs`) where one is kept for this model and placement."""
         ctl = _make_controller(spec, self.config.draft_max, self.config.seed, sources)
-        if isinstance(self.drafter, NoDrafter) or not isinstance(ctl, StateController) or ctl is spec:
+        if not self.drafter.drafts or not isinstance(ctl, StateController) or ctl is spec:
             return ctl
         try:
             prof, _ = costs.cached(costs.fingerprint(self.model_path, **placement(self.config)))

@@ -57,7 +57,7 @@ def open_loop(ctx: Context, drafter: Drafter, controller: Controller, params: Sa
     every offer in hindsight where the controller can (:meth:`Controller.learn_in_hindsight`)."""
     use_native, note = status(drafter)
     learn = getattr(controller, "learn_in_hindsight", None)
-    hindsight = bool(learn(bool(getattr(drafter, "free_offers", False)))) if learn is not None else False
+    hindsight = bool(learn(bool(drafter.free_offers))) if learn is not None else False
     if use_native:
         return NativeRounds(ctx, drafter, controller, params, rng, draft_max=draft_max, batch_s=batch_s,
                             hindsight=hindsight), note
@@ -116,9 +116,7 @@ class NativeRounds:
         self.rounds.set_slots(L.OFFER_N, L.OFFER_CONF, L.BEHIND, L.SOURCE, L.T_CATCHUP, L.OFFER_MATCH)
         if hindsight:
             self.rounds.set_hindsight(hindsight_address())
-        names = getattr(drafter, "source_name", None)
-        self._names = {L.SRC_LOOKUP: names(L.SRC_LOOKUP) if names else drafter.name,
-                       L.SRC_MODEL: names(L.SRC_MODEL) if names else drafter.name}
+        self._names = {L.SRC_LOOKUP: drafter.source_name(L.SRC_LOOKUP), L.SRC_MODEL: drafter.source_name(L.SRC_MODEL)}
         for which, c in enumerate((ctx, draft)):
             if c is not None:
                 self.rounds.set_tokens(which, c.tokens)

@@ -16,7 +16,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from eesd_local.llama.runtime import Context
-from eesd_local.spec.drafters.base import Drafter, Offer
+from eesd_local.spec.drafters.base import SRC_ANY, Drafter
 from eesd_local.spec.sampling import SamplingParams, Uniform, verify_greedy, verify_sampled
 
 
@@ -128,9 +128,8 @@ class PythonRounds:
     def __init__(self, ctx: Context, drafter: Drafter, controller: Controller, params: SamplingParams,
                  rng: Uniform, *, hindsight: bool = False) -> None:
         self.ctx, self.drafter, self.ctl, self.params, self.rng = ctx, drafter, controller, params, rng
-        self._offer = getattr(drafter, "offer", None)
         self._hindsight = Hindsight(controller) if hindsight else None
-        self._choose = int(getattr(drafter, "n_sources", 1)) > 1
+        self._choose = drafter.n_sources > 1
 
     def room(self) -> int:
         return self.ctx.room()
@@ -141,14 +140,12 @@ class PythonRounds:
         # what is free to know before the round (lookup's match, a model's catch-up); optional for a drafter
         if self._hindsight is not None:
             self._hindsight.see(history)
-        offer = self._offer(history, max_n) if self._offer is not None else Offer()
+        offer = self.drafter.offer(history, max_n)
         if self._hindsight is not None:
             self._hindsight.add(len(history), offer.tokens, offer.match)
         ctl.begin_round(offer.n, offer.confidence, offer.behind, offer.match)
-        if self._choose:  # the controller picked the source
-            prop = self.drafter.propose(history, ctl.draft_more, max_n, params, self.rng, source=ctl.source())  # type: ignore[call-arg]
-        else:
-            prop = self.drafter.propose(history, ctl.draft_more, max_n, params, self.rng)
+        # the source the controller picked, where the drafter has several
+        prop = self.drafter.propose(history, ctl.draft_more, max_n, params, self.rng, source=ctl.source() if self._choose else SRC_ANY)
         t2 = time.perf_counter()
         k = len(prop)
         # a probe verifies its drafts without the bonus: [last, d1..d(k-1)], k rows (plain decoding when k = 1)
@@ -162,8 +159,8 @@ class PythonRounds:
             m, nxt = verify_sampled(ctx.logits_rows(), prop.tokens, prop.probs, params, self.rng, bonus)
         ctx.trim(n_keep + min(m, n_rows - 1))  # ... and the accepted drafts it decoded; the rest is rolled back
         t3 = time.perf_counter()
-        ctl.end_round(np.asarray(prop.confidences, dtype=np.float64), m, t2 - t1, t3 - t2, getattr(prop, "t_catchup", 0.0))
-        return RoundResult(prop.tokens, m, nxt, t2 - t1, t3 - t2, (getattr(prop, "source", "") or self.drafter.name) if k else "",
+        ctl.end_round(np.asarray(prop.confidences, dtype=np.float64), m, t2 - t1, t3 - t2, prop.t_catchup)
+        return RoundResult(prop.tokens, m, nxt, t2 - t1, t3 - t2, (prop.source or self.drafter.name) if k else "",
                            n_rows)
 
     def belief(self) -> dict[str, float]:

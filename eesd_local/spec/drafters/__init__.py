@@ -7,6 +7,8 @@ for the model or a draft model is given, that model drafter: the controller pick
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +21,7 @@ from eesd_local.llama.catalog import resolve_model
 from eesd_local.llama.runtime import default_threads
 from eesd_local.llama.trunk import SPLIT_ARCHS
 from eesd_local.spec.drafters.auto import AutoDrafter
-from eesd_local.spec.drafters.base import Drafter, NoDrafter, Offer, Proposal
+from eesd_local.spec.drafters.base import PROTOCOL_MEMBERS, Drafter, DrafterBase, NoDrafter, Offer, Proposal
 from eesd_local.spec.drafters.hierarchical import HierarchicalDrafter
 from eesd_local.spec.drafters.lookup import LookupDrafter
 from eesd_local.spec.drafters.model import ModelDrafter
@@ -27,15 +29,13 @@ from eesd_local.spec.drafters.model import ModelDrafter
 if TYPE_CHECKING:
     from eesd_local.llama.runtime import Model
 
-DRAFTERS = ["auto", "none", "eesd", "lookup", "draft-model", "hierarchical"]
-
-__all__ = ["DRAFTERS", "AutoDrafter", "Drafter", "NoDrafter", "Offer", "Proposal", "LookupDrafter", "make_drafter",
-           "n_sources", "shared_trunk_plan"]
+__all__ = ["DRAFTERS", "REGISTRY", "AutoDrafter", "Drafter", "DrafterBase", "NoDrafter", "Offer", "Proposal", "LookupDrafter",
+           "make_drafter", "n_sources", "shared_trunk_plan"]
 
 
-def n_sources(drafter: Any) -> int:
+def n_sources(drafter: Drafter) -> int:
     """How many sources the controller chooses between (1: it only sizes the drafts)."""
-    return int(getattr(drafter, "n_sources", 1))
+    return int(drafter.n_sources)
 
 
 def _eesd_draft_path(config: Any, model: Model, required: bool) -> Any:
@@ -96,12 +96,12 @@ def shared_trunk_plan(config: Any, model_path: Any) -> tuple[tuple[Any, int] | N
     wanted = getattr(config, "shared_trunk", None)
     if wanted is None:  # the default: where the exit head drafts every round it may (see EngineConfig.shared_trunk),
         # and for auto where the kept cost profile says the head can pay here (no second copy of the weights)
-        wanted = kind in ("eesd", "hierarchical")
-        if kind == "auto" and not config.draft_model:
+        wanted = kind in REGISTRY and REGISTRY[kind].head == "always"
+        if kind in REGISTRY and REGISTRY[kind].head == "where it pays" and not config.draft_model:
             wanted = bool((v := auto_head(config, model_path)[1]) and v.pays)
     if not wanted or not isinstance(kind, str) or config.draft_model:
         return None, ""
-    if kind not in ("auto", "eesd", "hierarchical"):
+    if kind not in REGISTRY or REGISTRY[kind].head is None:
         return None, ""
     head = resolve_head(config.head) if config.head else headfile.find_head(model_path)
     if head is None:
@@ -117,46 +117,88 @@ def shared_trunk_plan(config: Any, model_path: Any) -> tuple[tuple[Any, int] | N
 def make_drafter(config: Any, model: Model, trunk: Any = None) -> tuple[Drafter, str]:
     """``trunk``: the shared trunk+exit context of a split target; the exit head then drafts on it."""
     kind = config.drafter
-    if not isinstance(kind, str):  # a drafter object (anything with the Drafter protocol's methods)
+    if not isinstance(kind, str):  # a drafter object: it must have every member of the protocol
+        missing = [m for m in PROTOCOL_MEMBERS if not hasattr(kind, m)]
+        if missing:
+            raise EesdError(f"the drafter {kind!r} lacks {', '.join(missing)} of the Drafter protocol",
+                            hint="subclass eesd_local.spec.drafters.DrafterBase, which has them all")
         return kind, f"drafter: {kind.name}"
-    if kind not in DRAFTERS:
+    if kind not in REGISTRY:
         raise EesdError(f"unknown drafter {kind!r}", hint=f"choose one of {', '.join(DRAFTERS)}")
-    common = dict(n_ctx=config.n_ctx, n_gpu_layers=config.n_gpu_layers, n_threads=config.n_threads, rpc=config.rpc)
-    if kind == "auto":
-        if config.draft_model:
-            path = resolve_model(config.draft_model)
-            inner = ModelDrafter(path, model, name="draft-model", **common)
-            return AutoDrafter(inner), f"drafter: auto (lookup or the draft model {path.name}, chosen per round)"
-        if trunk is not None:
-            return AutoDrafter(ModelDrafter.on_trunk(trunk)), "drafter: auto (lookup or the exit head, chosen per round; shared trunk)"
-        # the exit head is mapped, built and probed only where it could pay: else auto is prompt lookup itself
-        head, verdict = auto_head(config, model.path, model)
-        if head is None:
-            return LookupDrafter(), "drafter: auto (lookup; no exit head is known for this model)"
-        assert verdict is not None
-        if not verdict.pays:
-            return LookupDrafter(), f"drafter: auto (lookup; {verdict.note})"
-        inner = ModelDrafter(headfile.build_draft(model.path, head), model, name="eesd", **common)
-        return AutoDrafter(inner), f"drafter: auto (lookup or the exit head, chosen per round; {verdict.note})"
-    if kind == "none":
-        return NoDrafter(), "drafter: none (plain decoding)"
-    if kind == "lookup":
-        return LookupDrafter(), "drafter: lookup"
-    if kind == "eesd" and trunk is not None:
-        return ModelDrafter.on_trunk(trunk), "drafter: eesd (shared trunk)"
-    if kind == "eesd":
-        return ModelDrafter(_eesd_draft_path(config, model, required=True), model, name="eesd", **common), "drafter: eesd"
-    if kind == "draft-model":
-        if not config.draft_model:
-            raise EesdError("--drafter draft-model needs --draft-model M", hint="e.g. --draft-model qwen2.5-coder-0.5b-instruct")
-        path = resolve_model(config.draft_model)
-        return ModelDrafter(path, model, name="draft-model", **common), f"drafter: draft-model ({path.name})"
-    # hierarchical: lookup guesses checked by the eesd draft (or the draft model when given)
+    return REGISTRY[kind].build(config, model, trunk)
+
+
+def _common(config: Any) -> dict[str, Any]:
+    return dict(n_ctx=config.n_ctx, n_gpu_layers=config.n_gpu_layers, n_threads=config.n_threads, rpc=config.rpc)
+
+
+def _auto(config: Any, model: Model, trunk: Any) -> tuple[Drafter, str]:
     if config.draft_model:
-        inner = ModelDrafter(resolve_model(config.draft_model), model, name="draft-model", **common)
+        path = resolve_model(config.draft_model)
+        inner = ModelDrafter(path, model, name="draft-model", **_common(config))
+        return AutoDrafter(inner), f"drafter: auto (lookup or the draft model {path.name}, chosen per round)"
+    if trunk is not None:
+        return AutoDrafter(ModelDrafter.on_trunk(trunk)), "drafter: auto (lookup or the exit head, chosen per round; shared trunk)"
+    # the exit head is mapped, built and probed only where it could pay: else auto is prompt lookup itself
+    head, verdict = auto_head(config, model.path, model)
+    if head is None:
+        return LookupDrafter(), "drafter: auto (lookup; no exit head is known for this model)"
+    assert verdict is not None
+    if not verdict.pays:
+        return LookupDrafter(), f"drafter: auto (lookup; {verdict.note})"
+    inner = ModelDrafter(headfile.build_draft(model.path, head), model, name="eesd", **_common(config))
+    return AutoDrafter(inner), f"drafter: auto (lookup or the exit head, chosen per round; {verdict.note})"
+
+
+def _none(config: Any, model: Model, trunk: Any) -> tuple[Drafter, str]:
+    return NoDrafter(), "drafter: none (plain decoding)"
+
+
+def _lookup(config: Any, model: Model, trunk: Any) -> tuple[Drafter, str]:
+    return LookupDrafter(), "drafter: lookup"
+
+
+def _eesd(config: Any, model: Model, trunk: Any) -> tuple[Drafter, str]:
+    if trunk is not None:
+        return ModelDrafter.on_trunk(trunk), "drafter: eesd (shared trunk)"
+    return ModelDrafter(_eesd_draft_path(config, model, required=True), model, name="eesd", **_common(config)), "drafter: eesd"
+
+
+def _draft_model(config: Any, model: Model, trunk: Any) -> tuple[Drafter, str]:
+    if not config.draft_model:
+        raise EesdError("--drafter draft-model needs --draft-model M", hint="e.g. --draft-model qwen2.5-coder-0.5b-instruct")
+    path = resolve_model(config.draft_model)
+    return ModelDrafter(path, model, name="draft-model", **_common(config)), f"drafter: draft-model ({path.name})"
+
+
+def _hierarchical(config: Any, model: Model, trunk: Any) -> tuple[Drafter, str]:
+    # lookup guesses checked by the eesd draft (or the draft model when given)
+    if config.draft_model:
+        inner = ModelDrafter(resolve_model(config.draft_model), model, name="draft-model", **_common(config))
     elif trunk is not None:
         inner = ModelDrafter.on_trunk(trunk)
     else:
-        inner = ModelDrafter(_eesd_draft_path(config, model, required=True), model, name="eesd", **common)
+        inner = ModelDrafter(_eesd_draft_path(config, model, required=True), model, name="eesd", **_common(config))
     d = HierarchicalDrafter(inner)
     return d, f"drafter: {d.name}"
+
+
+@dataclass(frozen=True)
+class DrafterEntry:
+    """One drafter the engine builds by name."""
+
+    build: Callable[[Any, Model, Any], tuple[Drafter, str]]  # (config, target model, shared trunk or None) -> (drafter, its line)
+    head: str | None  # the exit head: "always" (runs on the shared trunk by default), "where it pays" (auto), None
+    summary: str  # one line for help texts
+
+
+# every drafter the engine builds by name: the CLI's choices, the server's, the bench's, the shared-trunk plan
+REGISTRY: dict[str, DrafterEntry] = {
+    "auto": DrafterEntry(_auto, "where it pays", "lookup, and the exit head or --draft-model where it can pay; per round"),
+    "none": DrafterEntry(_none, None, "plain decoding"),
+    "eesd": DrafterEntry(_eesd, "always", "the exit head (the model's first N layers and one exit block)"),
+    "lookup": DrafterEntry(_lookup, None, "prompt lookup: continuations of n-grams of the context"),
+    "draft-model": DrafterEntry(_draft_model, None, "a separate small model (--draft-model)"),
+    "hierarchical": DrafterEntry(_hierarchical, "always", "lookup's guesses checked by the exit head"),
+}
+DRAFTERS = list(REGISTRY)

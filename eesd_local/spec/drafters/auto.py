@@ -11,13 +11,13 @@ has a match, else the model.
 
 from __future__ import annotations
 
-from eesd_local.spec.drafters.base import SRC_ANY, SRC_LOOKUP, SRC_MODEL, NativeSpec, Offer, Proposal, WantMore
+from eesd_local.spec.drafters.base import SRC_ANY, SRC_LOOKUP, SRC_MODEL, DrafterBase, NativeSpec, Offer, Proposal, WantMore
 from eesd_local.spec.drafters.lookup import LookupDrafter
 from eesd_local.spec.drafters.model import ModelDrafter
 from eesd_local.spec.sampling import SamplingParams, Uniform
 
 
-class AutoDrafter:
+class AutoDrafter(DrafterBase):
     free_offers = True  # lookup's offers are free proposals: the controller may learn from each in hindsight
 
     def __init__(self, model: ModelDrafter | None = None, lookup: LookupDrafter | None = None) -> None:

@@ -68,19 +68,30 @@ class NativeSpec:
 
 
 class Drafter(Protocol):
+    """What every drafter has. :class:`DrafterBase` gives the members a simple drafter leaves as they are;
+    the engine and the round loops read them directly (a drafter says what it has, nothing is probed)."""
+
     name: str
+    n_sources: int  # sources the controller picks between each round (auto: 2); 1: it only sizes the drafts
+    free_offers: bool  # its offers are its proposals (prompt lookup): learned in hindsight (rounds.Hindsight)
+    weight_share: float  # its own weights over the target's (what catching up costs); 0: none of its own
+    drafts: bool  # False for plain decoding: nothing to plan, no cost profile to read
 
     def begin(self, prompt: list[int]) -> None:
         """A new request whose history starts with ``prompt``."""
 
+    def offer(self, history: list[int], max_n: int) -> Offer:
+        """What a round could have for free before the controller begins it (lookup's match, a model's
+        catch-up); ``Offer()``: nothing."""
+
     def propose(self, history: list[int], want_more: WantMore, max_n: int, params: SamplingParams,
-                rng: Uniform) -> Proposal:
-        """Up to ``max_n`` tokens continuing ``history`` (which ends with the last emitted token).
-        Optional: ``offer(history, max_n) -> Offer``, what a round could have for free before the
-        controller begins it; a drafter with ``n_sources`` > 1 also takes ``source=`` (the one the
-        controller picked: SRC_LOOKUP, SRC_MODEL, SRC_NONE, or SRC_ANY). A drafter whose offers are
-        its proposals (``Offer.tokens``, prompt lookup) sets ``free_offers = True``: the round loops
-        then report each offer to the controller in hindsight (rounds.Hindsight)."""
+                rng: Uniform, source: int = SRC_ANY) -> Proposal:
+        """Up to ``max_n`` tokens continuing ``history`` (which ends with the last emitted token), from
+        ``source`` (SRC_LOOKUP, SRC_MODEL, SRC_NONE: the controller's pick where ``n_sources`` > 1; SRC_ANY:
+        the drafter's own choice)."""
+
+    def source_name(self, source: int) -> str:
+        """The name a round drafted from ``source`` shows (auto: "lookup" or the model's)."""
 
     def native(self) -> NativeSpec | None:
         """The native loop's form of this drafter, or None to run it in the Python loop."""
@@ -89,10 +100,19 @@ class Drafter(Protocol):
         """Free what the drafter holds."""
 
 
-class NoDrafter:
-    """Plain decoding through the same loop: proposes nothing, costs nothing."""
+PROTOCOL_MEMBERS = ("name", "n_sources", "free_offers", "weight_share", "drafts", "begin", "offer", "propose",
+                    "source_name", "native", "close")
 
-    name = "none"
+
+class DrafterBase:
+    """The protocol's defaults: one source, no free offers, no weights of its own, offers nothing, runs in the
+    Python loop, holds nothing. A drafter subclasses it and overrides what it has."""
+
+    name = "drafter"
+    n_sources = 1
+    free_offers = False
+    weight_share = 0.0
+    drafts = True
 
     def begin(self, prompt: list[int]) -> None:
         pass
@@ -104,8 +124,21 @@ class NoDrafter:
                 rng: Uniform, source: int = SRC_ANY) -> Proposal:
         return Proposal()
 
-    def native(self) -> NativeSpec:
-        return NativeSpec()
+    def source_name(self, source: int) -> str:
+        return self.name
+
+    def native(self) -> NativeSpec | None:
+        return None
 
     def close(self) -> None:
         pass
+
+
+class NoDrafter(DrafterBase):
+    """Plain decoding through the same loop: proposes nothing, costs nothing."""
+
+    name = "none"
+    drafts = False
+
+    def native(self) -> NativeSpec:
+        return NativeSpec()

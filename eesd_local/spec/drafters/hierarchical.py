@@ -9,13 +9,13 @@ target's verification stays exact.
 
 from __future__ import annotations
 
-from eesd_local.spec.drafters.base import SRC_ANY, NativeSpec, Offer, Proposal, WantMore
+from eesd_local.spec.drafters.base import SRC_ANY, DrafterBase, NativeSpec, Offer, Proposal, WantMore
 from eesd_local.spec.drafters.lookup import LookupDrafter
 from eesd_local.spec.drafters.model import ModelDrafter
 from eesd_local.spec.sampling import SamplingParams, Uniform
 
 
-class HierarchicalDrafter:
+class HierarchicalDrafter(DrafterBase):
     name = "hierarchical"
 
     def __init__(self, inner: ModelDrafter, lookup: LookupDrafter | None = None) -> None:

@@ -4,7 +4,7 @@ the answer copies its input (edits, code rewrites)."""
 
 from __future__ import annotations
 
-from eesd_local.spec.drafters.base import SRC_ANY, NativeSpec, Offer, Proposal, WantMore
+from eesd_local.spec.drafters.base import SRC_ANY, DrafterBase, NativeSpec, Offer, Proposal, WantMore
 from eesd_local.spec.sampling import SamplingParams, Uniform
 
 MATCH_CAP = 16  # a match is measured up to this many tokens (the controller pools 10 and more)
@@ -16,7 +16,7 @@ def match_confidence(n: int, ngram_max: int) -> float:
     return n / (ngram_max + 1.0)
 
 
-class LookupDrafter:
+class LookupDrafter(DrafterBase):
     name = "lookup"
     free_offers = True  # its offers are its proposals: the controller may learn from each in hindsight
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from eesd_local.errors import EesdError
 from eesd_local.llama.runtime import Context, ContextParams, Model, common_prefix
-from eesd_local.spec.drafters.base import SRC_ANY, NativeSpec, Offer, Proposal, WantMore
+from eesd_local.spec.drafters.base import SRC_ANY, DrafterBase, NativeSpec, Offer, Proposal, WantMore
 from eesd_local.spec.sampling import SamplingParams, Uniform, probs, sample
 
 
@@ -54,7 +54,7 @@ def pick(row: np.ndarray, guess: int | None, params: SamplingParams, rng: Unifor
     return tok, q, float(q[tok])
 
 
-class ModelDrafter:
+class ModelDrafter(DrafterBase):
     """Draft token by token with a llama.cpp model sharing the target's vocabulary."""
 
     def __init__(self, path: Path, target: Model, *, name: str = "draft-model", n_ctx: int = 4096,

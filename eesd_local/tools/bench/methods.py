@@ -28,11 +28,13 @@ from eesd_local.llama.catalog import registry_name_for
 from eesd_local.llama.runtime import setup_process
 from eesd_local.llama.trunk import measure_trunk_share
 from eesd_local.spec.controllers import make_controller
+from eesd_local.spec.drafters import DRAFTERS
+from eesd_local.spec.drafters.base import SRC_MODEL
 from eesd_local.spec.events import FinishEvent, Stats, TokenEvent
 
 PEER = "llama-cpp-python"
 PEER_LOOKUP = "llama-cpp-python-lookup"
-ENGINE_DRAFTERS = ("none", "auto", "eesd", "lookup", "draft-model", "hierarchical")
+ENGINE_DRAFTERS = tuple(DRAFTERS)
 SERVER = "llama-server"
 METHOD_HELP = ("none, auto, eesd, eesd-fixed:K, lookup, draft-model, hierarchical (any drafter takes -fixed:K, or "
                f"@CONTROLLER as in eesd@beta-ts; auto, eesd, hierarchical take -copy: the exit head as a separate "
@@ -182,8 +184,7 @@ class EngineMethod:
             draft = engine.trunk.model
         if draft is not None:
             share = bytes_read_per_token(Path(draft.path)) / max(1, bytes_read_per_token(Path(engine.model.path)))
-            names = getattr(engine.drafter, "source_name", None)
-            self.draft_share[names(1) if names else engine.drafter.name] = share
+            self.draft_share[engine.drafter.source_name(SRC_MODEL)] = share
 
     def measure_trunk(self, prompt: list[int]) -> None:
         """Time the shared trunk's part of a target token (after the warm-up; the cache is left empty)."""
