@@ -28,7 +28,8 @@ void Rounds::one_round(int max_n, RoundOut& r) {
     put(slots_.offer_n, offers ? static_cast<double>(cands_.size()) : 0.0);
     put(slots_.offer_conf, offers && !cands_.empty() ? conf : 0.0);
     put(slots_.offer_match, offers && !cands_.empty() ? static_cast<double>(match_len_) : 0.0);
-    if (hindsight_ && offers && !cands_.empty()) offers_.push_back(PendingOffer{history_.size(), cands_, match_len_});
+    if (hindsight_ && offers && !cands_.empty() && !covered(history_.size(), cands_))
+        offers_.push_back(PendingOffer{history_.size(), cands_, match_len_});
     put(slots_.behind, (mode_ == MODEL || mode_ == CHOOSE) && dft_.ctx ? behind() : 0.0);
     put(slots_.t_catchup, 0.0);
     t_catchup_ = 0.0;
@@ -165,6 +166,18 @@ int Rounds::lookup(int max_n, std::vector<llama_token>& out) {
     int end = std::min(len, best_e + 1 + max_n);
     out.assign(h + best_e + 1, h + end);
     return best_n;
+}
+
+// rounds.covers: a pending offer already predicts this one's tokens wherever they overlap (the same copy,
+// offered again a round later): counted once
+bool Rounds::covered(size_t start, const std::vector<llama_token>& toks) const {
+    for (const PendingOffer& o : offers_) {
+        if (start <= o.start || start - o.start >= o.toks.size()) continue;
+        size_t d = start - o.start, n = std::min(o.toks.size() - d, toks.size());
+        if (std::equal(toks.begin(), toks.begin() + static_cast<std::ptrdiff_t>(n), o.toks.begin() + static_cast<std::ptrdiff_t>(d)))
+            return true;
+    }
+    return false;
 }
 
 // rounds.Hindsight.see: report the offers the history now resolves (a token that differs from the

@@ -164,6 +164,7 @@ class Rounds {
         int match;
     };
     std::vector<PendingOffer> offers_;  // lookup offers not yet resolved by emitted tokens
+    bool covered(size_t start, const std::vector<llama_token>& toks) const;
     std::vector<llama_token> history_;
 
     // the shared trunk (set_split)

@@ -32,6 +32,7 @@ import time
 
 import numpy as np
 
+from eesd_local.llama import costs
 from eesd_local.spec.controllers import make_controller
 from eesd_local.spec.drafters.lookup import LookupDrafter
 from eesd_local.spec.engine import Engine, EngineConfig
@@ -72,7 +73,7 @@ def collect(args: argparse.Namespace) -> None:
             out = [ev.token for ev in eng.generate(ptoks, max_tokens=args.max_tokens) if isinstance(ev, TokenEvent)]
             traces.append({"id": it.id, "category": it.category, "prompt": ptoks, "answer": out})
             print(f"{i + 1}/{len(items)} {it.category}/{it.id}: {len(out)} tokens ({time.perf_counter() - t0:.0f} s)", flush=True)
-    table = batch_costs([str(resolve_model(args.model))], list(range(1, 10)), repeats=args.cost_repeats)[0]
+    table = batch_costs([str(resolve_model(args.model))], sorted(set(range(1, 10)) | set(costs.KS)), repeats=args.cost_repeats)[0]
     print("B(b) ms:", {k: round(v, 2) for k, v in table.ms.items()})
     with open(args.output, "w") as f:
         json.dump({"model": args.model, "batch_ms": table.ms, "traces": traces}, f)
@@ -129,7 +130,9 @@ def replay_one(ctl, drafter, prompt: list[int], answer: list[int], bms: dict[int
 
 def replay(args: argparse.Namespace) -> None:
     data = json.load(open(args.traces))
-    bms = {int(k): v for k, v in data["batch_ms"].items()}
+    measured = {int(k): v for k, v in data["batch_ms"].items()}
+    prof = costs.CostProfile(measured[1], {k: v / measured[1] for k, v in measured.items()}, {})
+    bms = {b: measured[1] * prof.b(b) for b in range(1, args.draft_max + 2)}  # between measured sizes: the line
     traces = data["traces"]
     if args.category:
         traces = [t for t in traces if t["category"].startswith(args.category)]

@@ -21,7 +21,7 @@ from eesd_local.spec.controllers.thompson import (
 )
 from eesd_local.spec.drafters.lookup import MATCH_CAP, LookupDrafter
 from eesd_local.spec.events import RoundEvent, TokenEvent
-from eesd_local.spec.rounds import Hindsight
+from eesd_local.spec.rounds import Hindsight, covers
 
 T = 0.02  # seconds of a plain target token in the made-up costs below
 
@@ -184,6 +184,23 @@ def test_an_offer_is_reported_once_when_the_emitted_tokens_resolve_it():
     hs.add(9, (4,), 1)
     hs.clear()
     assert hs.pending == []
+
+
+def test_the_same_copy_offered_again_is_counted_once():
+    """A round later lookup offers the rest of the same copy again: the pending offer already predicts it, so
+    its tokens (and the copy's end) are counted once, not once per round it ran (the native loop keeps the
+    same rule: test_both_loops_report_the_same_offers)."""
+    rec = _Recorder()
+    hs = Hindsight(rec)  # type: ignore[arg-type]
+    hist = [1, 2, 3]
+    hs.add(3, (5, 6, 7, 8), 4)
+    hs.see(hist + [5])
+    hs.add(4, (6, 7, 8, 9), 5)  # the same copy, one token on: covered by the first offer where they overlap
+    hs.add(4, (6, 0), 2)  # another continuation: a new offer
+    assert [p[0] for p in hs.pending] == [3, 4] and hs.pending[1][1] == (6, 0)
+    hs.see(hist + [5, 6, 7, 1])
+    assert rec.calls == [(4, 4, 3), (2, 2, 1)]
+    assert covers(3, (5, 6), 5, (1,)) is False  # no overlap: a new offer
 
 
 def test_learned_by_match_length_and_planned_from_it():

@@ -97,7 +97,10 @@ class Hindsight:
         self.pending.clear()
 
     def add(self, start: int, tokens: tuple[int, ...], match: int) -> None:
-        if tokens:
+        """A new offer, unless a pending one already predicts its tokens (the same copy, offered again a
+        round later): the emitted tokens would be counted once per offer, and the copy's end, where the
+        longest matches stop, as many misses as there were rounds in it."""
+        if tokens and not any(covers(s, toks, start, tokens) for s, toks, _ in self.pending):
             self.pending.append((start, tokens, match))
 
     def see(self, history: list[int]) -> None:
@@ -113,6 +116,16 @@ class Hindsight:
             else:
                 keep.append((start, toks, match))
         self.pending = keep
+
+
+def covers(start0: int, toks0: tuple[int, ...] | list[int], start: int, toks: tuple[int, ...] | list[int]) -> bool:
+    """Whether the offer (start0, toks0), still pending (the history since start0 matched it), predicts the
+    offer (start, toks) wherever they overlap, and overlaps it at all."""
+    d = start - start0
+    if d <= 0 or d >= len(toks0):
+        return False
+    n = min(len(toks0) - d, len(toks))
+    return tuple(toks0[d:d + n]) == tuple(toks[:n])
 
 
 def round_limit(draft_max: int, left: int, room: int) -> int:
