@@ -33,10 +33,10 @@ from eesd_local.llama.runtime import Context, ContextParams
 from eesd_local.paths import cache_dir
 
 FORMAT = 1
-# a verify batch holds draft_max + 1 tokens: 9 by default, 65 for the longest drafts (lookup on an edit);
-# between the sizes measured above 9, B(k) is on the line through its neighbours (a CPU's cost per row
-# is near constant there: BENCHMARKS.md)
-KS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 17, 33, 65)
+# a verify batch holds draft_max + 1 tokens: 9 by default, up to 65 for drafts of 64; above 9, B(k) is on
+# the line through its measured neighbours (a CPU's cost per row is near constant there: measured here,
+# B(33) 12.82 against 12.73 on the line from B(17) to B(65), 0.5B; each size costs seconds at load)
+KS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 65)
 PREFIX = 64  # tokens in the cache before each timed decode
 REPEATS = 5
 BUDGET_S = 8.0  # most seconds a measurement at load time takes (0.5B here: ~2 s, 1.5B: ~5 s)
@@ -74,7 +74,9 @@ class CostProfile:
         d.pop("note")
         d.pop("plausible")
         d["bk"] = {str(k): v for k, v in self.bk.items()}
-        return {"format": FORMAT, **d}
+        out = {"format": FORMAT, **d}
+        out["sha256"] = _digest(out)  # an edited or damaged file is measured again, not used
+        return out
 
     def summary(self) -> str:
         return f"t(1) {self.t1_ms:.1f} ms, " + ", ".join(f"B({k}) {v:.2f}" for k, v in sorted(self.bk.items()) if k > 1)
@@ -128,6 +130,11 @@ def profile_path(fp: dict[str, Any]) -> Path:
     return cache_dir("costs") / f"{Path(fp['model']['name']).stem}-{key}.json"
 
 
+def _digest(d: dict[str, Any]) -> str:
+    """The sha256 of a kept profile's figures (every field but the checksum itself)."""
+    return hashlib.sha256(json.dumps({k: v for k, v in d.items() if k != "sha256"}, sort_keys=True).encode()).hexdigest()
+
+
 def cached(fp: dict[str, Any]) -> tuple[CostProfile | None, str]:
     """The kept profile for ``fp``, or (None, why not: "" when none was kept)."""
     path = profile_path(fp)
@@ -139,6 +146,10 @@ def cached(fp: dict[str, Any]) -> tuple[CostProfile | None, str]:
             raise ValueError("not a cost profile of this version")
         if d["fingerprint"] != fp:
             return None, f"the kept cost profile {path.name} is for another machine or build: measured again"
+        # profiles kept before the checksum have none; one that has it must match
+        if "sha256" in d and d["sha256"] != _digest(d):
+            return None, (f"the kept cost profile {path.name} is damaged or was edited (its checksum does not match "
+                          "its figures): measured again")
         bk = {int(k): float(v) for k, v in d["bk"].items()}
         if max(bk, default=0) < max(KS):
             return None, (f"the kept cost profile {path.name} stops at batches of {max(bk, default=0)} tokens: "
@@ -148,8 +159,8 @@ def cached(fp: dict[str, Any]) -> tuple[CostProfile | None, str]:
                 and plausible(bk)):
             raise ValueError("figures out of range")
         return CostProfile(t1, bk, fp, float(d.get("measured_at", 0.0)), int(d.get("repeats", REPEATS))), ""
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        return None, f"the kept cost profile {path.name} is damaged ({exc}): measured again"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
+        return None, f"the kept cost profile {path.name} is damaged ({str(exc)[:200]}): measured again"
 
 
 Progress = Callable[[int, int], None]
@@ -297,6 +308,9 @@ def head_verdict(prof: CostProfile, *, agreement: float, exit_layer: int, n_laye
     b2 = f"B(2)={prof.b(2):.2f}"
     if pays:
         note = f"exit head: on ({b2}, needs acceptance > {need:.2f}, its agreement {agreement:.2f})"
+    elif need >= 1.0:  # no acceptance is enough: a round costs more than it yields even with every draft accepted
+        note = (f"exit head: off, never pays on this machine: {b2}, a round costs more than it yields even with every "
+                f"draft accepted (its agreement {agreement:.2f})")
     else:
         note = f"exit head: off, cannot pay on this machine: {b2}, needs acceptance > {need:.2f} (its agreement {agreement:.2f})"
     return Verdict(pays, need, agreement, cost, note)
