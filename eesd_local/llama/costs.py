@@ -34,7 +34,7 @@ from eesd_local.paths import cache_dir
 
 FORMAT = 1
 # a verify batch holds draft_max + 1 tokens: 9 by default, up to 65 for drafts of 64; above 9, B(k) is on
-# the line through its measured neighbours (a CPU's cost per row is near constant there: measured here,
+# the line through its measured neighbours (a CPU's cost per row is near constant there: measured here beside a test run,
 # B(33) 12.82 against 12.73 on the line from B(17) to B(65), 0.5B; each size costs seconds at load)
 KS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 65)
 PREFIX = 64  # tokens in the cache before each timed decode
