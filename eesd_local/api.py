@@ -62,13 +62,28 @@ def _usage(fin: FinishEvent) -> dict[str, Any]:
     return {"prompt_tokens": s.n_prompt, "completion_tokens": s.n_generated, "total_tokens": s.n_prompt + s.n_generated}
 
 
-def _speculation(fin: FinishEvent) -> dict[str, Any]:
+def _speculation(fin: FinishEvent, note: str | None = None) -> dict[str, Any]:
     s = fin.stats
-    return {
+    out = {
         "drafter": s.drafter, "controller": s.controller, "exact": s.exact, "rounds": s.n_rounds, "drafted": s.n_drafted,
         "accepted": s.n_accepted, "acceptance_rate": s.acceptance_rate, "tau": s.tau, "tokens_per_s": s.tokens_per_s,
         "acceptance_by_position": s.acceptance_by_position,
     }
+    if note:
+        out["note"] = note
+    return out
+
+
+def chat_template_note(engine: Engine) -> str | None:
+    """What a chat's messages are wrapped in when the model carries no chat template (None: it carries one)."""
+    with engine._lock:
+        engine._check_open()
+        if engine.model.chat_template():
+            return None
+        known = len(engine.model.tokenize("<|im_start|>", add_special=False, parse_special=True)) == 1
+    return ("the model has no chat template: the messages were wrapped in the fallback template, ChatML "
+            "(<|im_start|>ROLE ... <|im_end|>)" + ("" if known else ", whose markers are plain text to this model, "
+                                                   "not tokens of its vocabulary"))
 
 
 def completion(engine: Engine, prompt: Any, *, chat: bool, max_tokens: int = 256, temperature: float = 0.0,
@@ -86,9 +101,10 @@ def completion(engine: Engine, prompt: Any, *, chat: bool, max_tokens: int = 256
     obj = "chat.completion" if chat else "text_completion"
     options: dict[str, Any] = dict(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                    seed=s.seed, stop=s.stop)
+    note = chat_template_note(engine) if chat else None
     if stream:  # as generate(): a stream started while another is open ends that one (README)
         events = engine.generate(engine.chat_tokens(prompt) if chat else prompt, **options)
-        return _stream(events, ident, created, model, obj, chat, s.stop)
+        return _stream(events, ident, created, model, obj, chat, s.stop, note)
     fin = None
     # a whole completion holds the engine from its start to its end, as Engine.run: one started on another
     # thread meanwhile waits for it rather than ending it
@@ -105,11 +121,11 @@ def completion(engine: Engine, prompt: Any, *, chat: bool, max_tokens: int = 256
     else:
         choice["text"] = text
     return {"id": ident, "object": obj, "created": created, "model": model, "choices": [choice],
-            "usage": _usage(fin), "speculation": _speculation(fin)}
+            "usage": _usage(fin), "speculation": _speculation(fin, note)}
 
 
 def _stream(events: Iterator[Any], ident: str, created: int, model: str, obj: str, chat: bool,
-            stops: list[str]) -> Iterator[dict[str, Any]]:
+            stops: list[str], note: str | None = None) -> Iterator[dict[str, Any]]:
     """Chunks as text arrives; text that could start a stop string is held back until it cannot."""
     sent = ""
     full = ""
@@ -141,7 +157,7 @@ def _stream(events: Iterator[Any], ident: str, created: int, model: str, obj: st
                 visible, cut = _cut_stop(ev.text, stops)
                 rest = visible[len(sent):]
                 reason = "stop" if cut else ("length" if ev.reason in ("length", "context") else "stop")
-                yield chunk(rest, reason, {"usage": _usage(ev), "speculation": _speculation(ev)})
+                yield chunk(rest, reason, {"usage": _usage(ev), "speculation": _speculation(ev, note)})
     finally:
         close = getattr(events, "close", None)
         if close:

@@ -24,11 +24,11 @@ from eesd_local.defaults import DRAFT_MAX, N_CTX
 from eesd_local.errors import EesdError
 from eesd_local.llama.catalog import DEFAULT_MODEL, known_models
 from eesd_local.tools.bench import report
-from eesd_local.tools.bench.methods import METHOD_HELP
+from eesd_local.tools.bench.methods import METHOD_HELP, parse_methods
 from eesd_local.tools.bench.plots import PLOTS, write_plots
 from eesd_local.tools.bench.prompts import BUILTIN_SETS
 from eesd_local.tools.bench.runner import BenchConfig, run_bench
-from eesd_local.tools.bench.servers import SPEC_TYPES
+from eesd_local.tools.bench.servers import SPEC_TYPES, check_servers
 
 # flag -> BenchConfig field (the argparse dest), in the order the command line is written back
 _FLAGS = (
@@ -137,6 +137,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = bench_config(args)
     if cfg.n_prompts < 0:
         raise EesdError(f"--n-prompts must be 0 (all) or more, got {cfg.n_prompts}")
+    if args.require_exact and cfg.temperature != 0:  # sampled outputs are never compared: nothing would be checked
+        raise EesdError(f"--require-exact compares greedy output with plain decoding's, and --temperature {cfg.temperature:g} "
+                        "samples", hint="drop --temperature (0, greedy, is the default) or --require-exact")
+    check_servers(parse_methods(cfg.methods, cfg.controller))  # before a model is pulled or loads
     _check_outputs(args)
     for name in (cfg.model, cfg.draft_model):
         if name and name in known_models():

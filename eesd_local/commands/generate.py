@@ -10,7 +10,7 @@ import time
 
 import psutil
 
-from eesd_local.api import load
+from eesd_local.api import chat_template_note, load
 from eesd_local.commands.options import add_engine_args, add_sampling_args, engine_config
 from eesd_local.errors import EesdError
 from eesd_local.params import check_sampling
@@ -47,6 +47,9 @@ def run(args: argparse.Namespace) -> int:
         if args.chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
             prompt = engine.chat_tokens(messages)  # the messages' text stays text (control tokens in it too)
+            note = chat_template_note(engine)
+            if note:
+                print(f"eesd: --chat: {note}", file=sys.stderr)
         events = engine.generate(prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                  top_p=args.top_p, seed=args.seed)
         fin = None

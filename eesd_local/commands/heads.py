@@ -399,11 +399,14 @@ def cmd_corpus_grow(args: argparse.Namespace) -> int:
     check_number("--max-mb", args.max_mb, 0.0, lo_open=True, hint=f"e.g. --max-mb {DEFAULT_MAX_MB:g}")
     if args.minutes is not None:
         check_number("--minutes", args.minutes, 0.0, lo_open=True, hint="e.g. --minutes 60, or leave it out to run to --max-mb")
+    if args.corpus is not None:  # before a registry model is pulled or any model loads
+        corpus.check_writable(args.corpus)
     model, folder = _corpus_model(args.model)
     if model is None:  # grow needs the model itself
 
         model = resolve_model(args.model)
     folder = args.corpus or folder
+    corpus.check_writable(folder)
     cfg = corpus.GrowConfig(n_parallel=args.n_parallel, max_new=args.max_new, threads=args.threads)
     max_bytes = int(args.max_mb * 1e6)
     err = Console(stderr=True)

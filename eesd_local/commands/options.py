@@ -25,8 +25,10 @@ ENGINE_FLAGS = ("model", "drafter", "head", "draft_model", "controller", "draft_
 def add_engine_args(p: argparse.ArgumentParser, *, positional_model: bool = False) -> None:
     """The EngineConfig flags (``eesd generate``, ``eesd serve``, ``eesd-chat``)."""
     model_help = f"registry name or GGUF path (default {DEFAULT_MODEL}, pulled if missing)"
-    if positional_model:
-        p.add_argument("model", nargs="?", default=DEFAULT_MODEL, help=model_help)
+    if positional_model:  # MODEL or --model MODEL, as every command takes it
+        p.add_argument("model_positional", nargs="?", default=argparse.SUPPRESS, metavar="MODEL", action=_ModelArg,
+                       help=f"{model_help}; or --model MODEL")
+        p.add_argument("--model", "-m", default=DEFAULT_MODEL, action=_ModelArg, help="the model, as MODEL")
     else:
         p.add_argument("--model", "-m", default=DEFAULT_MODEL, help=model_help)
     p.add_argument("--drafter", default=_DEFAULT.drafter, choices=DRAFTERS,
@@ -53,6 +55,22 @@ def add_engine_args(p: argparse.ArgumentParser, *, positional_model: bool = Fals
                    help="what of the cache a new prompt reuses: exact (default: only what a fresh prompt computes the same "
                         "way, so an answer depends on its prompt alone) or conversation (all a continued conversation "
                         "shares with it; eesd-chat's default)")
+
+
+class _ModelArg(argparse.Action):
+    """The model, given as the positional MODEL or as --model/-m (stored as ``model``); naming two
+    different models is an error."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        if values is None:  # the positional left out
+            return
+        given = getattr(namespace, "_model_given", None)
+        if given is not None and given[1] != values:
+            parser.error(f"the model is named twice: {given[0]} {given[1]} and {option_string or 'MODEL'} {values}; "
+                         "name it once (MODEL or --model MODEL)")
+        namespace._model_given = (option_string or "MODEL", values)
+        namespace.model = values
 
 
 def endpoints_arg(text: str) -> tuple[str, ...]:

@@ -82,7 +82,7 @@ def auto_head(config: Any, model_path: Any, model: Model | None = None) -> tuple
         prof = costs.profile(model, **place)
     v = costs.head_verdict(prof, agreement=agreement, exit_layer=int(info["exit_layer"]),
                            n_layer=int(info["base_n_layer"]), k_max=int(config.draft_max))
-    if prof.note:
+    if prof.note and prof.plausible:  # an implausible profile's note is the verdict's already
         v.note += f"; {prof.note}"
     return head, v
 

@@ -44,7 +44,7 @@ from eesd_local.tools.bench.methods import (
     parse_methods,
 )
 from eesd_local.tools.bench.prompts import PromptItem, load_prompts
-from eesd_local.tools.bench.servers import HttpPeer, LlamaServerPeer, PeerFailed, stop_all
+from eesd_local.tools.bench.servers import HttpPeer, LlamaServerPeer, PeerFailed, check_servers, stop_all
 from eesd_local.tools.prepare import prepare
 from eesd_local.tools.registry import resolve_model
 from eesd_local.tools.weights import COST_KS, batch_costs
@@ -167,6 +167,7 @@ def peak_rss_bytes() -> int | None:
 def plan_methods(cfg: BenchConfig, model_path: Path) -> tuple[list[MethodSpec], str | None, str | None]:
     """The method specs, the exit head and the draft model they need; fails before anything loads."""
     specs = parse_methods(cfg.methods, cfg.controller)
+    check_servers(specs)
     head: str | None = None
     draft_model = cfg.draft_model
     if any(s.server_spec == "draft-simple" for s in specs) and not draft_model:

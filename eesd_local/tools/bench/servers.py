@@ -33,9 +33,10 @@ from typing import Any
 
 import llama_cpp
 
+from eesd_local.errors import EesdError
 from eesd_local.paths import package_root
 from eesd_local.spec.events import Stats
-from eesd_local.tools.bench.methods import MethodSpec, Sampling, Turn
+from eesd_local.tools.bench.methods import SERVER, MethodSpec, Sampling, Turn
 
 # llama-server --spec-type values of the vendored llama.cpp that need nothing but the model (and,
 # for draft-simple, a draft model); the others need a head the demo models do not ship
@@ -93,6 +94,25 @@ def find_binary(name: str) -> Path:
         raise PeerFailed(f"{name} is not built for this llama.cpp: run `python scripts/llama_build.py tools` "
                          "(builds it from the vendored source, about 6 minutes on 2 cores)")
     return path
+
+
+def check_servers(specs: list[MethodSpec]) -> None:
+    """The llama-server methods asked for (``--peers``, ``--http``, ``llama-server[:TYPE]`` in ``--methods``)
+    can start: every --spec-type is one llama-server has, and llama-server is built; else one EesdError,
+    before anything loads (a peer that fails later still ends its own row only)."""
+    wanted = [s for s in specs if s.drafter == "server" or (s.drafter == "http" and s.http_server == SERVER)]
+    known = SPEC_TYPES + tuple(HEAD_SPEC_TYPES)
+    for s in wanted:
+        if s.server_spec and s.server_spec not in known:
+            raise EesdError(f"unknown llama-server --spec-type {s.server_spec!r} (method {s.name})",
+                            hint=f"llama-server's spec types: {', '.join(known)}")
+    if wanted:
+        try:
+            find_binary(SERVER)
+        except PeerFailed:
+            raise EesdError(f"{SERVER} is not built for this llama.cpp (the methods that run it: {', '.join(s.name for s in wanted)})",
+                            hint="run `python scripts/llama_build.py tools` (builds it from the vendored source, about "
+                                 "6 minutes on 2 cores), or leave out --peers/--http") from None
 
 
 def free_port() -> int:

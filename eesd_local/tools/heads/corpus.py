@@ -196,6 +196,26 @@ def shard_paths(folder: Path) -> list[Path]:
     return [p for _, _, p in sorted(found)]
 
 
+def check_writable(folder: Path) -> None:
+    """Create ``folder`` if needed and write (then remove) a hidden file in it: a corpus that cannot be
+    written fails here, before a model loads, not after a run whose answers had nowhere to go."""
+    folder = Path(folder)
+    hint = "give a folder you can write with --corpus FOLDER"
+    if folder.exists() and not folder.is_dir():
+        raise EesdError(f"the corpus folder {folder} is a file, not a folder", hint=hint)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".write-check.tmp-{os.getpid()}"  # a name atomic.remove_stale_temps cleans up after a crash
+        try:
+            with open(probe, "wb") as fh:
+                fh.write(b"eesd")
+        finally:
+            with contextlib.suppress(OSError):
+                probe.unlink()
+    except OSError as exc:
+        raise EesdError(f"cannot write the corpus folder {folder}: {exc.strerror or exc}", hint=hint) from None
+
+
 # --- the format -----------------------------------------------------------------------
 
 
@@ -538,6 +558,7 @@ def grow(
     not yet answered."""
     cfg = cfg or GrowConfig()
     folder = Path(folder)
+    check_writable(folder)  # before the model loads
     stamp = ModelStamp.of(model_path)
     t0 = time.time()
     deadline = t0 + minutes * 60 if minutes else float("inf")
