@@ -181,7 +181,7 @@ def test_seeded_sampling_with_lookup_is_reproducible_under_the_default_controlle
     """With a kept cost profile, a lookup round's plan is a function of the tokens alone (B(b) is the
     profile's, acceptance is learned from the offers in hindsight): seeded sampling under the default
     controller gives one text and the same rounds in every run, however the rounds were timed."""
-    costs.keep(qwen05_path, 22.0, {k: 1.0 + 0.55 * (k - 1) for k in range(1, 10)}, n_threads=default_threads(), repeats=3)
+    costs.keep(qwen05_path, 22.0, {k: 1.0 + 0.55 * (k - 1) for k in costs.KS}, n_threads=default_threads(), repeats=3)
     p = next(p for p in PROMPTS if p["kind"] == "rewrite")
     runs = set()
     for _ in range(2):
