@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eesd_local.errors import EesdError
-from eesd_local.tools.heads.data import is_heldout_module, module_name, sharegpt_items, stdlib_files
+from eesd_local.tools.heads.data import parsed_modules, sharegpt_items
 
 BUILTIN_SETS = ("code", "chat", "rewrite", "edits", "rework", "agent")
 DEFAULT_CATEGORY = "default"
@@ -181,16 +181,7 @@ def rewrite_set(*, min_lines: int = 6, max_lines: int = 30) -> list[PromptItem]:
     # the head-training file list and split rule, so held-out here means held out there
 
     items = []
-    for path in stdlib_files():
-        mod = module_name(path)
-        if not is_heldout_module(mod):
-            continue
-        try:
-            source = path.read_text(encoding="utf-8")
-            tree = ast.parse(source)
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        lines = source.splitlines()
+    for mod, lines, tree in parsed_modules("heldout"):
         nodes = list(tree.body) + [n for c in tree.body if isinstance(c, ast.ClassDef) for n in c.body]
         for node in nodes:
             if not isinstance(node, ast.FunctionDef):
@@ -214,16 +205,7 @@ def _heldout_files(*, min_lines: int = 16, max_lines: int = 48) -> list[tuple[st
     """Small "files" of held-out stdlib code: runs of consecutive top-level functions, each run
     ``min_lines``..``max_lines`` long, as (id, source, parameter names, first function's name)."""
     out = []
-    for path in stdlib_files():
-        mod = module_name(path)
-        if not is_heldout_module(mod):
-            continue
-        try:
-            source = path.read_text(encoding="utf-8")
-            tree = ast.parse(source)
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        lines = source.splitlines()
+    for mod, lines, tree in parsed_modules("heldout"):
         run: list[ast.FunctionDef] = []
         for node in [*tree.body, None]:
             if isinstance(node, ast.FunctionDef) and (not run or (node.end_lineno or 0) - run[0].lineno < max_lines):

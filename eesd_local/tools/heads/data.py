@@ -118,6 +118,23 @@ def is_heldout_module(name: str) -> bool:
     return zlib.crc32(name.encode()) % CODE_HELDOUT_MOD == 0
 
 
+def parsed_modules(split: str) -> list[tuple[str, list[str], ast.Module]]:
+    """(module name, source lines, syntax tree) of each standard-library module of ``split`` ("train" or
+    "heldout") that parses."""
+    out = []
+    for path in stdlib_files():
+        mod = module_name(path)
+        if is_heldout_module(mod) != (split == "heldout"):
+            continue
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        out.append((mod, source.splitlines(), tree))
+    return out
+
+
 _TASKS = (
     "Write a Python function `{sig}` that {doc} Show the code and a short usage example.",
     "Implement `{sig}` in Python. It should {doc}",
@@ -141,16 +158,7 @@ def _doc_phrase(doc: str) -> str:
 def code_items(split: str, *, max_lines: int = 40) -> list[Item]:
     """Code requests built from standard-library functions (signature, docstring, source)."""
     items = []
-    for path in stdlib_files():
-        mod = module_name(path)
-        if is_heldout_module(mod) != (split == "heldout"):
-            continue
-        try:
-            source = path.read_text(encoding="utf-8")
-            tree = ast.parse(source)
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        lines = source.splitlines()
+    for mod, lines, tree in parsed_modules(split):
         nodes = list(tree.body) + [n for c in tree.body if isinstance(c, ast.ClassDef) for n in c.body]
         for node in nodes:
             if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
