@@ -22,7 +22,7 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 # tests fair on a shared machine (results are the same either way)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from eesd_local.llama import runtime  # noqa: E402
+from eesd_local.llama import costs, runtime  # noqa: E402
 from eesd_local.tools import registry  # noqa: E402
 
 # llama.cpp's model defaults made safe on AMX CPUs for the tests' llama_cpp.Llama loads too
@@ -82,3 +82,23 @@ def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("markexpr", "").replace(" ", "") in ("notmodel", "(notmodel)"):
         # the fast tier must stay fast: loading a real model in the test process fails the test
         runtime.Model.__init__ = _tiny_only(runtime.Model.__init__)
+
+
+class FakeModel:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+
+@pytest.fixture
+def fake(tmp_path, isolated_home, monkeypatch):
+    """(a model stand-in, the n_threads of each cost measurement): costs.measure is a fake that counts its calls."""
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(100))
+    calls = []
+
+    def measure(model, *, n_threads, ks=costs.KS, repeats=costs.REPEATS, progress=None):
+        calls.append(n_threads)
+        return 20.0, {k: 1.0 + 0.8 * (k - 1) for k in ks}
+
+    monkeypatch.setattr(costs, "measure", measure)
+    return FakeModel(gguf), calls

@@ -4,7 +4,6 @@ re-measured when damaged; and the exit head's verdict from it."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -16,25 +15,6 @@ from eesd_local.spec.controllers import layout as L
 from eesd_local.spec.controllers.thompson import PROFILE_COSTS
 from eesd_local.spec.drafters import AutoDrafter, LookupDrafter
 from eesd_local.tools import heads
-
-
-class FakeModel:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-
-@pytest.fixture
-def fake(tmp_path, isolated_home, monkeypatch):
-    gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"GGUF" + bytes(100))
-    calls = []
-
-    def measure(model, *, n_threads, ks=costs.KS, repeats=costs.REPEATS, progress=None):
-        calls.append(n_threads)
-        return 20.0, {k: 1.0 + 0.8 * (k - 1) for k in ks}
-
-    monkeypatch.setattr(costs, "measure", measure)
-    return FakeModel(gguf), calls
 
 
 def test_measured_once_then_kept(fake):

@@ -38,6 +38,7 @@ from eesd_local.tools import heads, registry
 from eesd_local.tools.heads.draftvocab import draft_vocab
 
 from .conftest import QWEN05
+from .helpers import eesd, free_port, one_line_error, wait_healthy
 from .scripted import ScriptedEngine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,21 +54,6 @@ def tiny(tmp_path_factory) -> Path:
 def tiny_llm(tiny):
     with eesd_local.load(tiny, drafter="lookup", n_ctx=512, n_threads=1) as llm:
         yield llm
-
-
-def eesd(*argv: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "eesd_local.cli", *argv], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
-
-
-def one_line_error(r: subprocess.CompletedProcess, *needles: str) -> str:
-    """The run failed with exit 2 and one `eesd: error:` line (plus at most a hint) holding every needle."""
-    assert r.returncode == 2 and "Traceback" not in r.stderr, (r.returncode, r.stderr[-3000:])
-    errors = [line for line in r.stderr.splitlines() if line.startswith("eesd: error: ")]
-    assert len(errors) == 1, r.stderr
-    for needle in needles:
-        assert needle in r.stderr, (needle, r.stderr)
-    return r.stderr
 
 
 # --- one check for every number --------------------------------------------------------------------
@@ -666,22 +652,13 @@ REFERENCE = {"prompt": "def add(a, b):", "max_tokens": 6, "temperature": 0}
 @pytest.fixture(scope="module")
 def server(qwen05_path, tmp_path_factory):
     """``eesd serve`` on the demo model with --queue 0 (a request is served when none runs)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
     proc = subprocess.Popen([sys.executable, "-m", "eesd_local.cli", "serve", QWEN05, "--port", str(port), "--drafter", "lookup",
                              "--n-ctx", "512", "--n-threads", "2", "--queue", "0", "--log-level", "warning"],
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while True:
-        assert proc.poll() is None and time.time() < deadline, log.read_text()
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.2)
+    wait_healthy(proc, url, log, 180)
     yield url
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 0, log.read_text()

@@ -34,26 +34,12 @@ from eesd_local.tools.bench.methods import EngineMethod
 from eesd_local.tools.heads import corpus
 
 from .conftest import QWEN05
+from .helpers import eesd, one_line_error, wait_healthy
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", n_vocab=300, n_ctx=4096)
-
-
-def eesd(*argv: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "eesd_local.cli", *argv], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
-
-
-def one_line_error(r: subprocess.CompletedProcess, *needles: str) -> str:
-    """The run failed with exit 2 and one `eesd: error:` line (plus at most a hint) holding every needle."""
-    assert r.returncode == 2 and "Traceback" not in r.stderr, (r.returncode, r.stderr[-3000:])
-    errors = [line for line in r.stderr.splitlines() if line.startswith("eesd: error: ")]
-    assert len(errors) == 1, r.stderr
-    for needle in needles:
-        assert needle in r.stderr, (needle, r.stderr)
-    return r.stderr
 
 
 def demo_home(tmp_path: Path, qwen05_path: Path) -> Path:
@@ -187,14 +173,7 @@ def test_the_server_notes_the_fallback_template(tiny, tmp_path):
                             stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "EESD_HOME": str(tmp_path / "h")})
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 120
-        while True:
-            assert proc.poll() is None and time.time() < deadline, log.read_text()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
+        wait_healthy(proc, url, log, 120)
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200 and "no chat template" in r.json()["speculation"]["note"], r.text
@@ -231,25 +210,6 @@ def test_the_drafter_line_says_a_disturbed_measurement_once(tiny, monkeypatch):
 
 
 # --- 5a. an edited or damaged cost profile is measured again ------------------------------------------------------
-
-
-class FakeModel:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-
-@pytest.fixture
-def fake(tmp_path, isolated_home, monkeypatch):
-    gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"GGUF" + bytes(100))
-    calls: list[int] = []
-
-    def measure(model, *, n_threads, ks=costs.KS, repeats=costs.REPEATS, progress=None):
-        calls.append(n_threads)
-        return 20.0, {k: 1.0 + 0.8 * (k - 1) for k in ks}
-
-    monkeypatch.setattr(costs, "measure", measure)
-    return FakeModel(gguf), calls
 
 
 def _edit_figure(d: dict) -> str:

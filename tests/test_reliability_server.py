@@ -27,16 +27,12 @@ from eesd_local.llama.ggmlapi import ggml_symbol, init_backend  # noqa: E402
 from eesd_local.llama.rpc import RpcError, probe  # noqa: E402
 from eesd_local.server import MAX_BODY  # noqa: E402
 
+from .helpers import free_port, wait_healthy  # noqa: E402
+
 EESD = [sys.executable, "-m", "eesd_local.cli"]
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
 REPEATING = list(range(10, 40)) * 4  # token ids whose continuation prompt lookup finds in the prompt
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _eesd(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -66,7 +62,7 @@ def _one_line_error(r: subprocess.CompletedProcess, *needles: str) -> str:
     ("::1", "IPv4 addresses only"),
 ])
 def test_rpc_server_names_a_bad_host_not_the_port(host, needle):
-    port = _free_port()
+    port = free_port()
     err = _one_line_error(_eesd("rpc-server", "--host", host, "--port", str(port), "--threads", "1"),
                           f"cannot listen on {host}:{port}", needle)
     assert "may be taken" not in err and "listening on" not in err and "Failed to create server socket" not in err
@@ -85,7 +81,7 @@ def test_rpc_server_refuses_a_cache_it_cannot_use(tmp_path):
     a_file = tmp_path / "a-file"
     a_file.write_text("not a folder")
     for cache, needle in [("/proc/nope", "cannot make the cache folder '/proc/nope'"), (str(a_file), "not a folder")]:
-        err = _one_line_error(_eesd("rpc-server", "--port", str(_free_port()), "--threads", "1", "--cache", cache,
+        err = _one_line_error(_eesd("rpc-server", "--port", str(free_port()), "--threads", "1", "--cache", cache,
                                     timeout=30), needle)
         assert "listening on" not in err
 
@@ -100,7 +96,7 @@ def test_rpc_server_listens_on_a_host_name_and_makes_its_cache(tmp_path):
     the name is looked up first; a cache folder that is missing is made before the server starts."""
     if not _rpc_backend():
         pytest.skip("this llama.cpp was built without the RPC backend")
-    port = _free_port()
+    port = free_port()
     cache = tmp_path / "new" / "cache"
     proc = subprocess.Popen([*EESD, "rpc-server", "--host", "localhost", "--port", str(port), "--threads", "1",
                              "--cache", str(cache)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=ENV)
@@ -142,20 +138,13 @@ class Server:
 def server(tmp_path_factory) -> Iterator[Server]:
     """``eesd serve`` on the tiny GGUF (n_ctx 512: the target's batch holds 512 tokens)."""
     tiny = write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", n_vocab=300, n_ctx=4096)
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
     proc = subprocess.Popen([*EESD, "serve", str(tiny), "--port", str(port), "--drafter", "lookup", "--n-ctx", "512",
                              "--n-threads", "1", "--log-level", "warning"],
                             stdout=log.open("w"), stderr=subprocess.STDOUT, env=ENV)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        assert proc.poll() is None and time.time() < deadline, log.read_text()
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.2)
+    wait_healthy(proc, url, log, 120)
     yield Server(url, proc, log)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 0, log.read_text()

@@ -24,13 +24,9 @@ import pytest
 import eesd_local
 from eesd_local.llama.rpc import PROTO, RpcError, parse_endpoints, probe
 
+from .helpers import free_port
+
 EESD = [sys.executable, "-m", "eesd_local.cli"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FakeServer:
@@ -81,7 +77,7 @@ def test_addresses_parse():
 def test_nothing_listening_is_one_clear_error():
     # refused at once, said as such: waiting out the timeout would say "did not answer within"
     with pytest.raises(RpcError, match="nothing listens .*connection refused"):
-        probe(f"127.0.0.1:{_free_port()}", timeout=3.0)
+        probe(f"127.0.0.1:{free_port()}", timeout=3.0)
 
 
 def test_a_silent_server_times_out():
@@ -120,7 +116,7 @@ def test_a_matching_version_passes():
 
 
 def test_rpc_server_warns_off_loopback():
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([*EESD, "rpc-server", "--host", "0.0.0.0", "--port", str(port), "--threads", "1"],
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -136,7 +132,7 @@ def test_rpc_server_warns_off_loopback():
 
 @pytest.fixture
 def rpc_server() -> Iterator[tuple[str, subprocess.Popen]]:
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([*EESD, "rpc-server", "--port", str(port), "--threads", "2"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     ep = f"127.0.0.1:{port}"
@@ -163,7 +159,7 @@ def rpc_server() -> Iterator[tuple[str, subprocess.Popen]]:
 
 @pytest.mark.model
 def test_cli_nothing_listening(qwen05_path):
-    res = subprocess.run([*EESD, "generate", "--model", str(qwen05_path), "--rpc", f"127.0.0.1:{_free_port()}",
+    res = subprocess.run([*EESD, "generate", "--model", str(qwen05_path), "--rpc", f"127.0.0.1:{free_port()}",
                           "--n-gpu-layers", "-1", "--prompt", "hi", "--max-tokens", "4"],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode != 0
