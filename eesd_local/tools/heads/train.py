@@ -407,11 +407,12 @@ def train_head(
     # negatives: half from the teacher-argmax unigram (the likely confusions), half uniform
     top1 = np.concatenate([s.ids[:, 0][s.ids[:, 0] >= 0] for s in train])
     vocab = lm_w.shape[0]
+    # V' is read with llama.cpp, kept out of this module's imports (torch-only training)
+    from eesd_local.tools.heads import draftvocab  # noqa: PLC0415 - llama.cpp, as above
+
     vprime = None  # the draft vocabulary V' (sorted ids) when training over it
     in_v = None
     if cfg.draft_vocab:
-        from eesd_local.tools.heads import draftvocab  # noqa: PLC0415 - it reads the vocabulary with llama.cpp
-
         vprime = draftvocab.draft_vocab(base_path, cfg.draft_vocab).astype(np.int64)
         in_v = torch.zeros(vocab + 1, dtype=torch.bool)  # index vocab = the "no row" id -1
         in_v[torch.from_numpy(vprime)] = True
@@ -576,8 +577,6 @@ def train_head(
         last = int(h.kv[f"{h.kv['general.architecture']}.block_count"]) - 1
         summary["ffn_from_base_block"] = last if cfg.init_from is None else cfg.init_from
     if out_path is not None:
-        from eesd_local.tools.heads import draftvocab  # noqa: PLC0415 - as above
-
         write_head(
             out_path,
             base_path=base_path,
