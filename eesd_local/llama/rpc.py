@@ -163,27 +163,30 @@ def listen_address(host: str, port: int) -> str:
         except OSError as exc:
             raise RpcError(f"cannot listen on {where}: the host {host!r} names no IPv4 address "
                            f"({exc.strerror or exc})", hint=LISTEN_HINT) from None
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # as ggml binds it (SO_REUSEADDR, then bind)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((address, port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise RpcError(f"cannot listen on {where}: the port is in use",
-                               hint="another program listens there: stop it or pick another --port") from None
-            raise RpcError(f"cannot listen on {where}: {exc.strerror or exc}", hint=LISTEN_HINT) from None
+    failed = _bind_error(address, port)
+    if failed is not None and failed.errno == errno.EADDRINUSE:
+        raise RpcError(f"cannot listen on {where}: the port is in use",
+                       hint="another program listens there: stop it or pick another --port")
+    if failed is not None:
+        raise RpcError(f"cannot listen on {where}: {failed.strerror or failed}", hint=LISTEN_HINT)
     return address
 
 
-def port_in_use(address: str, port: int) -> bool:
-    """Whether binding ``address``:``port`` now fails because another socket holds it."""
+def _bind_error(address: str, port: int) -> OSError | None:
+    """What binding ``address``:``port`` as ggml binds it (SO_REUSEADDR, then bind) raises now, if anything."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((address, port))
         except OSError as exc:
-            return exc.errno == errno.EADDRINUSE
-    return False
+            return exc
+    return None
+
+
+def port_in_use(address: str, port: int) -> bool:
+    """Whether binding ``address``:``port`` now fails because another socket holds it."""
+    failed = _bind_error(address, port)
+    return failed is not None and failed.errno == errno.EADDRINUSE
 
 
 def cache_folder(path: str | os.PathLike[str]) -> str:

@@ -136,8 +136,6 @@ class Engine:
             else:
                 self.ctx = Context(self.model, params)
             lap("context")
-            if config.draft_max == DRAFT_MAX and DRAFT_MAX + 1 > self.ctx.n_batch:  # the default, in a small context:
-                config = self.config = dataclasses.replace(config, draft_max=self.ctx.n_batch - 1)  # as long as fits
             if config.draft_max + 1 > self.ctx.n_batch:  # a round decodes [last, d1..dk] in one batch
                 raise EesdError(f"a draft of up to {config.draft_max} tokens does not fit the target's batch of "
                                 f"{self.ctx.n_batch} tokens", hint=f"use --draft-max {self.ctx.n_batch - 1} or less")
