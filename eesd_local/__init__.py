@@ -17,14 +17,14 @@ if TYPE_CHECKING:
     from typing import Any
 
     from eesd_local.api import LLM, load
-    from eesd_local.errors import EesdError
-    from eesd_local.spec.engine import Engine, EngineConfig
+    from eesd_local.base.errors import EesdError
+    from eesd_local.speculative.engine import Engine, EngineConfig
 
 
 def __getattr__(name: str) -> Any:
     # PEP 562: `import eesd_local` stays light; the engine (llama.cpp, numba) loads when asked for
     if name == "EesdError":
-        from eesd_local import errors  # noqa: PLC0415 - lazy, as below
+        from eesd_local.base import errors  # noqa: PLC0415 - lazy, as below
 
         return errors.EesdError
     if name in ("load", "LLM"):
@@ -32,7 +32,7 @@ def __getattr__(name: str) -> Any:
 
         return getattr(api, name)
     if name in ("Engine", "EngineConfig"):
-        from eesd_local.spec import engine  # noqa: PLC0415 - lazy public API, as above
+        from eesd_local.speculative import engine  # noqa: PLC0415 - lazy public API, as above
 
         return getattr(engine, name)
     raise AttributeError(name)

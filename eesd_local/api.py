@@ -5,7 +5,7 @@ on top of :meth:`Engine.generate`.
 On the CPU, greedy output is byte-identical to plain decoding, whatever the drafter, the controller
 and the timing (elsewhere, such as on a GPU, it can leave plain decoding's at a near tie, and the
 ``speculation`` block's ``exact`` says which holds); sampling keeps the target's exact distribution
-(real speculative sampling, not "sample and match"). The wording is ``eesd_local.claim.CLAIM``.
+(real speculative sampling, not "sample and match"). The wording is ``eesd_local.base.claim.CLAIM``.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from eesd_local.params import ParamError, check_sampling, show
-from eesd_local.spec.engine import Engine, EngineConfig
-from eesd_local.spec.events import FinishEvent, TokenEvent
+from eesd_local.base.params import ParamError, check_sampling, show
+from eesd_local.speculative.engine import Engine, EngineConfig
+from eesd_local.speculative.events import FinishEvent, TokenEvent
 from eesd_local.tools.prepare import prepare
 
 

@@ -16,9 +16,9 @@ import signal
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
-from eesd_local.claim import CLAIM
-from eesd_local.errors import EesdError
-from eesd_local.interrupts import Terminated, keep_interrupts
+from eesd_local.base.claim import CLAIM
+from eesd_local.base.errors import EesdError
+from eesd_local.base.interrupts import Terminated, keep_interrupts
 
 # command -> the module that registers it
 COMMANDS = {

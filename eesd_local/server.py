@@ -41,11 +41,11 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from eesd_local.api import completion
-from eesd_local.errors import EesdError
-from eesd_local.params import ParamError, check_int, check_optional_int, check_sampling, show
-from eesd_local.spec.controllers import DEFAULT_CONTROLLER
-from eesd_local.spec.drafters import DRAFTERS
-from eesd_local.spec.engine import Engine
+from eesd_local.base.errors import EesdError
+from eesd_local.base.params import ParamError, check_int, check_optional_int, check_sampling, show
+from eesd_local.speculative.controllers import DEFAULT_CONTROLLER
+from eesd_local.speculative.drafters import DRAFTERS
+from eesd_local.speculative.engine import Engine
 
 _R = TypeVar("_R", bound=BaseModel)
 QUEUE = 8  # requests that may wait while one runs; more get 429

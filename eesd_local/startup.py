@@ -28,7 +28,7 @@ def _interrupted(prog: str) -> int:
 
 def _run(prog: str, module: str, function: str) -> int:
     try:
-        interrupts = __import__("eesd_local.interrupts", fromlist=["keep_interrupts"])
+        interrupts = __import__("eesd_local.base.interrupts", fromlist=["keep_interrupts"])
         # a Ctrl-C inside a ctypes callback during the imports (numba compiling) is raised again, not lost
         interrupts.keep_interrupts()
         main = getattr(__import__(module, fromlist=[function]), function)

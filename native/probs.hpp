@@ -1,4 +1,4 @@
-// Sampling distributions over the vocabulary, as eesd_local.spec.sampling computes them: top-k,
+// Sampling distributions over the vocabulary, as eesd_local.speculative.sampling computes them: top-k,
 // top-p (on the logits at temperature 1), temperature, the inverse-CDF draw, and the random
 // stream both loops share. Every tie rule and cut-off follows sampling.py so that the two
 // loops pick the same tokens.
@@ -14,7 +14,7 @@
 
 namespace eesd {
 
-// splitmix64 (Steele, Lea, Flood), bit-identical to eesd_local.spec.sampling.TokenRNG:
+// splitmix64 (Steele, Lea, Flood), bit-identical to eesd_local.speculative.sampling.TokenRNG:
 // uniform = (z >> 11) * 2**-53, so every double in [0, 1) on the 2**-53 grid
 struct TokenRng {
     uint64_t s;
@@ -62,7 +62,7 @@ struct Dist {
 };
 
 // Processing of logits into p: top-k, top-p (on the logits at temperature 1), temperature,
-// in the order and with the tie rules of eesd_local.spec.sampling.probs.
+// in the order and with the tie rules of eesd_local.speculative.sampling.probs.
 struct Probs {
     std::vector<int> idx, keep, order, part_;
     std::vector<float> vals;

@@ -1,7 +1,7 @@
 // The speculative round loop in C++ (eesd_local._native.Rounds): draft, one batched verify,
 // accept, KV rollback, against the libllama that llama-cpp-python loaded. The contexts belong
 // to Python (their pointers arrive as integers); the controller is the Numba code of
-// eesd_local.spec.controllers, called through cfunc pointers on its float64 state array. Every
+// eesd_local.speculative.controllers, called through cfunc pointers on its float64 state array. Every
 // step mirrors the Python loop (rounds.PythonRounds, sampling.py, drafters/) so that both give
 // the same tokens: same decode calls, same maths, same random stream.
 //
@@ -23,7 +23,7 @@
 
 namespace eesd {
 
-// Most tokens a round may draft (eesd_local.spec.rounds.round_limit): a round emits up to k + 1
+// Most tokens a round may draft (eesd_local.speculative.rounds.round_limit): a round emits up to k + 1
 // tokens, so k <= left - 1 (tokens still wanted) and k <= room - 1 (free KV positions after
 // `last`), and never more than draft_max
 inline int round_limit(int draft_max, int left, int room) { return std::max(0, std::min({draft_max, left - 1, room - 1})); }

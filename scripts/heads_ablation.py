@@ -19,8 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from eesd_local.base.paths import cache_dir, models_dir
 from eesd_local.gguf.headfile import fingerprint
-from eesd_local.paths import cache_dir, models_dir
 from eesd_local.tools.heads import data, evaluate, teacher, train
 from eesd_local.tools.registry import resolve_model
 

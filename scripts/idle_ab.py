@@ -10,7 +10,7 @@ import argparse
 import time
 
 import eesd_local
-from eesd_local.spec.events import TokenEvent
+from eesd_local.speculative.events import TokenEvent
 from eesd_local.tools.bench.prompts import load_prompts
 
 METHODS = {

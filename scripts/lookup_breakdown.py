@@ -14,8 +14,8 @@ import argparse
 import collections
 import time
 
-from eesd_local.spec.engine import Engine, EngineConfig
-from eesd_local.spec.events import FinishEvent, RoundEvent
+from eesd_local.speculative.engine import Engine, EngineConfig
+from eesd_local.speculative.events import FinishEvent, RoundEvent
 from eesd_local.tools.bench.prompts import load_prompts
 from eesd_local.tools.prepare import prepare
 

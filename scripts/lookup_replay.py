@@ -33,11 +33,11 @@ import time
 import numpy as np
 
 from eesd_local.llama import costs
-from eesd_local.spec.controllers import make_controller
-from eesd_local.spec.drafters.lookup import LookupDrafter
-from eesd_local.spec.engine import Engine, EngineConfig
-from eesd_local.spec.events import TokenEvent
-from eesd_local.spec.rounds import Hindsight, round_limit
+from eesd_local.speculative.controllers import make_controller
+from eesd_local.speculative.drafters.lookup import LookupDrafter
+from eesd_local.speculative.engine import Engine, EngineConfig
+from eesd_local.speculative.events import TokenEvent
+from eesd_local.speculative.rounds import Hindsight, round_limit
 from eesd_local.tools.bench.prompts import load_prompts, spread
 from eesd_local.tools.registry import resolve_model
 from eesd_local.tools.weights import batch_costs

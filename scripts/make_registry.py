@@ -16,8 +16,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gguf import GGUFReader
 
+from eesd_local.base.paths import cache_dir  # noqa: E402
 from eesd_local.llama import catalog
-from eesd_local.paths import cache_dir  # noqa: E402
 from eesd_local.tools import registry  # noqa: E402
 
 MODELS = [

@@ -25,7 +25,7 @@ import llama_cpp
 
 import eesd_local
 from eesd_local.gguf.tiny import write_tiny_gguf
-from eesd_local.spec import native_round
+from eesd_local.speculative import native_round
 
 _decode = llama_cpp.llama_decode
 _t_decode = [0.0]

@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from eesd_local.base.errors import EesdError
 from eesd_local.cli import report_error
 from eesd_local.commands import simulate
-from eesd_local.errors import EesdError
 
 
 def main() -> int:

@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from eesd_local.base.paths import cache_dir, models_dir
 from eesd_local.gguf.headfile import fingerprint  # noqa: E402
-from eesd_local.paths import cache_dir, models_dir
 from eesd_local.tools.heads import data, evaluate, teacher, train
 from eesd_local.tools.registry import resolve_model  # noqa: E402
 

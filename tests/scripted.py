@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from eesd_local.spec.events import Event, FinishEvent, RoundEvent, Stats, TokenEvent
+from eesd_local.speculative.events import Event, FinishEvent, RoundEvent, Stats, TokenEvent
 
 # one round: (tokens drafted, the emitted pieces as (text, source)); accepted = the "draft" pieces
 Round = tuple[int, list[tuple[str, str]]]

@@ -9,9 +9,9 @@ import pytest
 
 import eesd_local
 from eesd_local import cli
-from eesd_local.errors import EesdError
+from eesd_local.base.errors import EesdError
 from eesd_local.gguf.reader import bytes_read_per_token
-from eesd_local.spec.events import Stats
+from eesd_local.speculative.events import Stats
 from eesd_local.tools.bench import runner
 from eesd_local.tools.bench.methods import EngineMethod, MethodSpec, Sampling, parse_methods
 from eesd_local.tools.bench.prompts import CHAT_KINDS, PromptItem, chat_kind, chat_set, code_set, load_prompts, rewrite_set

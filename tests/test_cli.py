@@ -16,7 +16,7 @@ import pytest
 
 from eesd_local.api import load
 from eesd_local.commands.options import ENGINE_FLAGS
-from eesd_local.spec.engine import EngineConfig
+from eesd_local.speculative.engine import EngineConfig
 
 from .conftest import QWEN05
 

@@ -12,9 +12,9 @@ import textwrap
 import numpy as np
 import pytest
 
-from eesd_local.errors import EesdError
-from eesd_local.spec.controllers import CONTROLLER_CHOICES, DEFAULT_CONTROLLER, make_controller
-from eesd_local.spec.controllers import layout as L
+from eesd_local.base.errors import EesdError
+from eesd_local.speculative.controllers import CONTROLLER_CHOICES, DEFAULT_CONTROLLER, make_controller
+from eesd_local.speculative.controllers import layout as L
 from eesd_local.tools.simulate_sources import SOURCE_PROCESSES, run
 from eesd_local.tools.simulator import PROFILES, decision_cost, decision_trace
 

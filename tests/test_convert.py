@@ -28,11 +28,11 @@ import torch
 import transformers
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from eesd_local.base.errors import EesdError
+from eesd_local.base.paths import cache_dir
 from eesd_local.cli import main
-from eesd_local.errors import EesdError
 from eesd_local.gguf.headfile import base_block_tensors, build_draft, fingerprint, head_draft_vocab, head_tensors, read_head_info
 from eesd_local.llama.catalog import DEFAULT_MODEL, get_spec
-from eesd_local.paths import cache_dir
 from eesd_local.tools.convert import convert
 from eesd_local.tools.heads.draftvocab import draft_vocab
 

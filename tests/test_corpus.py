@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from eesd_local.base.errors import EesdError
 from eesd_local.cli import main
-from eesd_local.errors import EesdError
 from eesd_local.gguf.headfile import read_head_info
 from eesd_local.tools.heads import corpus, shards, targets
 from eesd_local.tools.heads.corpus import Answer, CorpusWarning, ModelStamp

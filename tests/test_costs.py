@@ -11,9 +11,9 @@ import eesd_local
 from eesd_local.gguf.tiny import write_tiny_gguf
 from eesd_local.llama import costs
 from eesd_local.llama.runtime import default_threads
-from eesd_local.spec.controllers import layout as L
-from eesd_local.spec.controllers.thompson import PROFILE_COSTS
-from eesd_local.spec.drafters import AutoDrafter, LookupDrafter
+from eesd_local.speculative.controllers import layout as L
+from eesd_local.speculative.controllers.thompson import PROFILE_COSTS
+from eesd_local.speculative.drafters import AutoDrafter, LookupDrafter
 from eesd_local.tools import heads
 
 

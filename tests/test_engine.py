@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 import eesd_local
-from eesd_local.errors import EesdError
+from eesd_local.base.errors import EesdError
 from eesd_local.llama import costs
-from eesd_local.spec.events import FinishEvent, RoundEvent, TokenEvent
+from eesd_local.speculative.events import FinishEvent, RoundEvent, TokenEvent
 from eesd_local.tools import heads
 
 from .conftest import QWEN05

@@ -13,9 +13,9 @@ import threading
 import pytest
 
 import eesd_local
-from eesd_local.errors import EesdError
-from eesd_local.spec.drafters.base import SRC_ANY, DrafterBase, NativeSpec, Proposal
-from eesd_local.spec.events import FinishEvent, TokenEvent
+from eesd_local.base.errors import EesdError
+from eesd_local.speculative.drafters.base import SRC_ANY, DrafterBase, NativeSpec, Proposal
+from eesd_local.speculative.events import FinishEvent, TokenEvent
 
 from .conftest import QWEN05
 

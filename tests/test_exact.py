@@ -24,7 +24,7 @@ import eesd_local
 from eesd_local.llama import costs
 from eesd_local.llama.ggmlapi import EXACT_ALL, exact_rows, ggml_symbol
 from eesd_local.llama.runtime import default_threads
-from eesd_local.spec.events import FinishEvent, RoundEvent, TokenEvent
+from eesd_local.speculative.events import FinishEvent, RoundEvent, TokenEvent
 
 from .conftest import QWEN05
 
@@ -131,7 +131,7 @@ def test_a_reused_prefix_gives_a_fresh_prompts_answer(plain):
 _PLANTED = r"""
 import json, sys
 import eesd_local
-from eesd_local.spec.events import FinishEvent, TokenEvent
+from eesd_local.speculative.events import FinishEvent, TokenEvent
 prompts = json.loads(sys.argv[1])
 out = {}
 for name, kw in (("none", dict(drafter="none")), ("spec", dict(drafter="draft-model", draft_model=sys.argv[2], controller="fixed:8"))):

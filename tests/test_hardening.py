@@ -24,17 +24,17 @@ from pathlib import Path
 import pytest
 
 from eesd_local import cli
-from eesd_local.atomic import atomic_path, remove_stale_temps, write_text_atomic
-from eesd_local.errors import EesdError
+from eesd_local.base.atomic import atomic_path, remove_stale_temps, write_text_atomic
+from eesd_local.base.errors import EesdError
+from eesd_local.base.interrupts import keep_interrupts
+from eesd_local.base.paths import models_dir
 from eesd_local.gguf import headfile
 from eesd_local.gguf import reader as ggufread
 from eesd_local.gguf.check import check_gguf
 from eesd_local.gguf.tiny import write_tiny_gguf
-from eesd_local.interrupts import keep_interrupts
 from eesd_local.llama import catalog
 from eesd_local.llama.runtime import Context, ContextParams, Model
-from eesd_local.paths import models_dir
-from eesd_local.spec.drafters import resolve_head
+from eesd_local.speculative.drafters import resolve_head
 from eesd_local.tools import registry
 
 SHIPPED_HEAD = models_dir() / "qwen2.5-coder-0.5b-instruct.exit6.gguf"
@@ -104,7 +104,7 @@ def test_fuzzed_gguf_gives_eesd_error_or_a_valid_load(which, tiny, tmp_path, iso
 LOAD_BATCH = textwrap.dedent("""
     import json, sys
     from pathlib import Path
-    from eesd_local.errors import EesdError
+    from eesd_local.base.errors import EesdError
     from eesd_local.llama.runtime import Context, ContextParams, Model
     for path in map(Path, json.loads(sys.argv[1])):
         print("case", path.name, flush=True)
@@ -235,7 +235,7 @@ def test_a_pull_killed_while_assembling_is_cleaned_up_by_the_next_run(tmp_path, 
     models = isolated_home / "models"
     code = textwrap.dedent(f"""
         import os, sys, time
-        from eesd_local.atomic import atomic_path
+        from eesd_local.base.atomic import atomic_path
         with atomic_path({str(models / "m.gguf")!r}) as tmp:
             tmp.write_bytes(b"x" * 1000)
             print("writing", flush=True)
@@ -377,7 +377,7 @@ def test_a_ctrl_c_while_numba_compiles_is_held_until_it_has_compiled():
     pytest.importorskip("numba")
     from numba.core import event  # noqa: PLC0415 - after importorskip
 
-    from eesd_local.spec.controllers import jitcache  # noqa: PLC0415 - after importorskip
+    from eesd_local.speculative.controllers import jitcache  # noqa: PLC0415 - after importorskip
 
     assert not event._registered["numba:compiler_lock"]  # HoldSignals listens only while a kernel compiles
 

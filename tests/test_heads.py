@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 
 import eesd_local.tools.heads.draftvocab as dv
+from eesd_local.base.errors import EesdError
+from eesd_local.base.paths import models_dir
 from eesd_local.cli import main
 from eesd_local.commands.heads import freeze_mlp_for
-from eesd_local.errors import EesdError
 from eesd_local.gguf import headfile
 from eesd_local.gguf import reader as ggufread
 from eesd_local.gguf.headfile import build_draft, find_head, fingerprint, read_head_info
 from eesd_local.gguf.writer import write_from
-from eesd_local.paths import models_dir
 from eesd_local.tools.heads import data, train
 from eesd_local.tools.heads.torchmodel import GGUFWeights, Trunk
 from eesd_local.tools.heads.train import distill_loss

@@ -10,18 +10,18 @@ import pytest
 import eesd_local
 from eesd_local.gguf.tiny import write_tiny_gguf
 from eesd_local.llama import costs
-from eesd_local.spec.controllers import layout as L
-from eesd_local.spec.controllers import make_controller
-from eesd_local.spec.controllers.thompson import (
+from eesd_local.speculative.controllers import layout as L
+from eesd_local.speculative.controllers import make_controller
+from eesd_local.speculative.controllers.thompson import (
     MATCH_PRIOR,
     MATCH_REQUEST_EVIDENCE,
     REQUEST_MATCH,
     match_class,
     match_prior_mean,
 )
-from eesd_local.spec.drafters.lookup import MATCH_CAP, LookupDrafter
-from eesd_local.spec.events import RoundEvent, TokenEvent
-from eesd_local.spec.rounds import Hindsight, covers
+from eesd_local.speculative.drafters.lookup import MATCH_CAP, LookupDrafter
+from eesd_local.speculative.events import RoundEvent, TokenEvent
+from eesd_local.speculative.rounds import Hindsight, covers
 
 T = 0.02  # seconds of a plain target token in the made-up costs below
 

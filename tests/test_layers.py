@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-LAYERS = ["eesd_local.gguf", "eesd_local.llama", "eesd_local.spec", "eesd_local.tools", "eesd_local.api",
+LAYERS = ["eesd_local.gguf", "eesd_local.llama", "eesd_local.speculative", "eesd_local.tools", "eesd_local.api",
           "eesd_local.server", "eesd_local.cli", "eesd_chat.app"]
 
 

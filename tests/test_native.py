@@ -14,17 +14,17 @@ import numpy as np
 import pytest
 
 import eesd_local
-from eesd_local.errors import EesdError
+from eesd_local.base.errors import EesdError
 from eesd_local.gguf.tiny import write_tiny_gguf
 from eesd_local.llama import costs
 from eesd_local.llama import native as native_ext
 from eesd_local.llama.runtime import Context, ContextParams, Model
-from eesd_local.spec import native_round
-from eesd_local.spec.controllers import layout
-from eesd_local.spec.controllers.cfuncs import addresses
-from eesd_local.spec.events import FinishEvent, RoundEvent, TokenEvent
-from eesd_local.spec.rounds import round_limit
-from eesd_local.spec.sampling import SamplingParams, TokenRNG, probs
+from eesd_local.speculative import native_round
+from eesd_local.speculative.controllers import layout
+from eesd_local.speculative.controllers.cfuncs import addresses
+from eesd_local.speculative.events import FinishEvent, RoundEvent, TokenEvent
+from eesd_local.speculative.rounds import round_limit
+from eesd_local.speculative.sampling import SamplingParams, TokenRNG, probs
 
 from .conftest import QWEN05
 

@@ -28,12 +28,12 @@ import pytest
 
 import eesd_local
 from eesd_chat.app import ChatApp, ChatOptions
-from eesd_local import cachefile, params
-from eesd_local.errors import EesdError
+from eesd_local.base import cachefile, params
+from eesd_local.base.errors import EesdError
 from eesd_local.gguf import reader as ggufread
 from eesd_local.gguf.tiny import write_tiny_gguf
 from eesd_local.llama import catalog, runtime
-from eesd_local.spec import chat
+from eesd_local.speculative import chat
 from eesd_local.tools import heads, registry
 from eesd_local.tools.heads.draftvocab import draft_vocab
 
@@ -382,7 +382,7 @@ def test_a_damaged_variant_is_built_again(tiny_registry):
 
 
 NUMBA_RUN = """
-from eesd_local.spec.controllers import make_controller
+from eesd_local.speculative.controllers import make_controller
 c = make_controller("cost-ts", max_draft=8, seed=0, sources=2)
 print("ok", c.name)
 """

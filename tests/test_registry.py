@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from eesd_local.errors import EesdError
+from eesd_local.base.errors import EesdError
 from eesd_local.gguf import check
 from eesd_local.gguf.tiny import write_tiny_gguf
 from eesd_local.llama import catalog

@@ -24,12 +24,12 @@ import pytest
 import eesd_local
 from eesd_chat.app import build_parser as chat_parser
 from eesd_local import cli
-from eesd_local.errors import EesdError
+from eesd_local.base.errors import EesdError
 from eesd_local.gguf.tiny import write_tiny_gguf
 from eesd_local.llama import costs
 from eesd_local.llama.catalog import DEFAULT_MODEL
-from eesd_local.spec import chat, drafters
-from eesd_local.spec.engine import EngineConfig
+from eesd_local.speculative import chat, drafters
+from eesd_local.speculative.engine import EngineConfig
 from eesd_local.tools.bench.methods import EngineMethod
 from eesd_local.tools.heads import corpus
 

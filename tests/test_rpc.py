@@ -206,8 +206,8 @@ def test_rpc_greedy_equals_local(rpc_server, qwen05_path, monkeypatch):
 KILL_SCRIPT = textwrap.dedent("""
     import os, signal, sys
     import eesd_local
-    from eesd_local.errors import EesdError
-    from eesd_local.spec.events import TokenEvent
+    from eesd_local.base.errors import EesdError
+    from eesd_local.speculative.events import TokenEvent
     path, ep, pid = sys.argv[1], sys.argv[2], int(sys.argv[3])
     eng = eesd_local.load(path, drafter="lookup", rpc=[ep], n_gpu_layers=-1)
     toks = eng.tokenize(eng.apply_chat_template([{"role": "user", "content": "Count from 1 to 200, one number a line."}]))

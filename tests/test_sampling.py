@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from eesd_local.llama.runtime import Context, ContextParams, Model
-from eesd_local.spec.sampling import SamplingParams, probs, sample, verify_greedy, verify_sampled
+from eesd_local.speculative.sampling import SamplingParams, probs, sample, verify_greedy, verify_sampled
 
 N_TRIALS = 6000
 V = 3000  # the maths does not depend on the vocabulary size: use the top tokens of a real row

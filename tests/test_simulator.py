@@ -11,9 +11,9 @@ import argparse
 import numpy as np
 import pytest
 
+from eesd_local.base.errors import EesdError
 from eesd_local.commands import simulate as simulate_command
-from eesd_local.errors import EesdError
-from eesd_local.spec.controllers import make_controller
+from eesd_local.speculative.controllers import make_controller
 from eesd_local.tools.simulate_sources import POLICIES, SOURCE_PROCESSES, run
 from eesd_local.tools.simulator import PROCESSES, PROFILES, SWITCH, T_TOKEN, adaptation, best_fixed, simulate, throughput
 

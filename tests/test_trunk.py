@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 
 import eesd_local
-from eesd_local.errors import EesdError
+from eesd_local.base.errors import EesdError
+from eesd_local.base.paths import models_dir
 from eesd_local.gguf import headfile, writer
 from eesd_local.gguf import reader as ggufread
 from eesd_local.llama import costs, trunk
 from eesd_local.llama.runtime import Context, ContextParams, Model
-from eesd_local.paths import models_dir
-from eesd_local.spec.events import TokenEvent
-from eesd_local.spec.sampling import SamplingParams, probs
+from eesd_local.speculative.events import TokenEvent
+from eesd_local.speculative.sampling import SamplingParams, probs
 from eesd_local.tools import heads
 
 from .conftest import QWEN05

@@ -24,7 +24,7 @@ import eesd_chat.app as chat_app
 from eesd_chat.app import ChatApp, ChatOptions, main, run_app, swap_controller, swap_drafter
 from eesd_chat.widgets import SOURCE_STYLE, AnswerView, SpeculationPanel
 from eesd_local.api import load
-from eesd_local.spec.events import TokenEvent
+from eesd_local.speculative.events import TokenEvent
 from eesd_local.tools import heads
 
 from .conftest import QWEN05

@@ -15,12 +15,12 @@ import llama_cpp
 import pytest
 
 from eesd_local.api import load
-from eesd_local.atomic import remove_stale_temps
+from eesd_local.base.atomic import remove_stale_temps
+from eesd_local.base.errors import EesdError
 from eesd_local.cli import main
-from eesd_local.errors import EesdError
 from eesd_local.gguf.tiny import write_tiny_gguf
 from eesd_local.llama import catalog
-from eesd_local.spec.events import TokenEvent
+from eesd_local.speculative.events import TokenEvent
 from eesd_local.tools import registry, weights
 from eesd_local.tools.bench.prompts import load_prompts
 

@@ -26,14 +26,14 @@ from textual.widgets import Footer, Header, Input, Static
 
 from eesd_chat.session import Answer, Conversation, PlainEstimate, Turn, default_transcript_path, merge_stats, save_transcript
 from eesd_chat.widgets import AnswerView, SpeculationPanel, UserView
-from eesd_local.claim import CLAIM
-from eesd_local.errors import EesdError
-from eesd_local.interrupts import keep_interrupts
-from eesd_local.params import check_sampling
-from eesd_local.spec.events import FinishEvent, RoundEvent, TokenEvent
+from eesd_local.base.claim import CLAIM
+from eesd_local.base.errors import EesdError
+from eesd_local.base.interrupts import keep_interrupts
+from eesd_local.base.params import check_sampling
+from eesd_local.speculative.events import FinishEvent, RoundEvent, TokenEvent
 
 if TYPE_CHECKING:  # the engine pulls in llama.cpp and numba: open_engine imports it inside main's Ctrl-C handler
-    from eesd_local.spec.engine import Engine
+    from eesd_local.speculative.engine import Engine
 
 DRAFTER_CYCLE = ["eesd", "lookup", "none"]
 CONTROLLER_CYCLE = ["cost-ts", "beta-ts", "calibration-ts", "heuristic", "pmin:0.75", "fixed:4"]

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eesd_local.atomic import atomic_path
-from eesd_local.errors import EesdError
-from eesd_local.spec.events import RoundEvent, Stats, TokenEvent
+from eesd_local.base.atomic import atomic_path
+from eesd_local.base.errors import EesdError
+from eesd_local.speculative.events import RoundEvent, Stats, TokenEvent
 
 SOURCES = ("draft", "target", "bonus")  # accepted draft, the target's own token, the bonus after a full accept
 

@@ -12,7 +12,7 @@ from textual.containers import Vertical
 from textual.widgets import Label, Markdown, Static
 
 from eesd_chat.session import Answer
-from eesd_local.spec.events import Stats
+from eesd_local.speculative.events import Stats
 
 # token provenance colours: accepted draft, the target's own token, bonus after a fully accepted draft
 SOURCE_STYLE = {"draft": "bold #7ee787", "target": "#f0b35a", "bonus": "bold #79c0ff"}

@@ -17,11 +17,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from eesd_local.atomic import check_overwrite, write_text_atomic
+from eesd_local.base.atomic import check_overwrite, write_text_atomic
+from eesd_local.base.defaults import DRAFT_MAX, N_CTX
+from eesd_local.base.errors import EesdError
 from eesd_local.commands.models import pull_with_progress
 from eesd_local.commands.options import endpoints_arg
-from eesd_local.defaults import DRAFT_MAX, N_CTX
-from eesd_local.errors import EesdError
 from eesd_local.llama.catalog import DEFAULT_MODEL, known_models
 from eesd_local.tools.bench import report
 from eesd_local.tools.bench.methods import METHOD_HELP, parse_methods

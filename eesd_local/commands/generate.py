@@ -11,10 +11,10 @@ import time
 import psutil
 
 from eesd_local.api import chat_template_note, load
+from eesd_local.base.errors import EesdError
+from eesd_local.base.params import check_sampling
 from eesd_local.commands.options import add_engine_args, add_sampling_args, engine_config
-from eesd_local.errors import EesdError
-from eesd_local.params import check_sampling
-from eesd_local.spec.events import FinishEvent, TokenEvent
+from eesd_local.speculative.events import FinishEvent, TokenEvent
 
 
 def register(sub: argparse._SubParsersAction) -> None:

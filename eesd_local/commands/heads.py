@@ -11,8 +11,11 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from eesd_local.atomic import check_overwrite
-from eesd_local.errors import EesdError
+from eesd_local.base.atomic import check_overwrite
+from eesd_local.base.errors import EesdError
+from eesd_local.base.interrupts import interrupt_for, terminate_as_interrupt
+from eesd_local.base.params import MAX_THREADS, check_int, check_number
+from eesd_local.base.paths import cache_dir, models_dir
 from eesd_local.gguf.headfile import (
     build_draft,
     check_exit_layer,
@@ -23,11 +26,8 @@ from eesd_local.gguf.headfile import (
     model_info,
     read_head_info,
 )
-from eesd_local.interrupts import interrupt_for, terminate_as_interrupt
 from eesd_local.llama.catalog import get_spec, is_present, known_models
 from eesd_local.llama.draftvocab import DRAFT_VOCAB
-from eesd_local.params import MAX_THREADS, check_int, check_number
-from eesd_local.paths import cache_dir, models_dir
 from eesd_local.tools.heads import corpus, data, evaluate, targets, teacher, train
 from eesd_local.tools.heads.corpus import DEFAULT_MAX_MB, GrowConfig
 from eesd_local.tools.heads.data import DEFAULT_MIX, DEFAULT_TRAIN_VOCAB, MIXES

@@ -12,12 +12,12 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from rich.table import Table
 
-from eesd_local.atomic import check_overwrite, write_text_atomic
-from eesd_local.errors import EesdError
+from eesd_local.base.atomic import check_overwrite, write_text_atomic
+from eesd_local.base.errors import EesdError
+from eesd_local.base.params import MAX_THREADS, check_int, check_optional_int
+from eesd_local.base.paths import cache_dir
 from eesd_local.llama import catalog, costs
 from eesd_local.llama.catalog import VARIANTS, variant_path
-from eesd_local.params import MAX_THREADS, check_int, check_optional_int
-from eesd_local.paths import cache_dir
 from eesd_local.tools import registry
 from eesd_local.tools.bench.prompts import heldout_texts
 from eesd_local.tools.weights import MAX_COST_K, batch_costs, quality, requantize, tensor_types

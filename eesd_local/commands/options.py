@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 
+from eesd_local.base.errors import EesdError
 from eesd_local.commands.models import pull_with_progress
-from eesd_local.errors import EesdError
 from eesd_local.llama.catalog import DEFAULT_MODEL, known_models
 from eesd_local.llama.rpc import parse_endpoints
-from eesd_local.spec.drafters import DRAFTERS
-from eesd_local.spec.engine import EngineConfig, check_config
+from eesd_local.speculative.drafters import DRAFTERS
+from eesd_local.speculative.engine import EngineConfig, check_config
 
 _DEFAULT = EngineConfig()
 # the EngineConfig fields that add_engine_args makes flags of (seed is the controller's, not sampling's --seed)

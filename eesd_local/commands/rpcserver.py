@@ -6,10 +6,10 @@ import argparse
 import sys
 import threading
 
-from eesd_local.errors import EesdError
+from eesd_local.base.errors import EesdError
+from eesd_local.base.params import MAX_THREADS, check_int
 from eesd_local.llama.rpc import UNSAFE, cache_folder, is_loopback, listen_address, port_in_use, serve
 from eesd_local.llama.runtime import default_threads
-from eesd_local.params import MAX_THREADS, check_int
 
 
 def register(sub: argparse._SubParsersAction) -> None:

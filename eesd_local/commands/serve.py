@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from eesd_local.api import load
+from eesd_local.base.params import check_int
 from eesd_local.commands.options import add_engine_args, engine_config
-from eesd_local.params import check_int
 from eesd_local.server import listen_socket, serve
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from eesd_local.defaults import DRAFT_MAX
-from eesd_local.errors import EesdError
+from eesd_local.base.defaults import DRAFT_MAX
+from eesd_local.base.errors import EesdError
 from eesd_local.tools.simulate_sources import SOURCE_PROCESSES
 from eesd_local.tools.simulate_sources import table as sources_table
 from eesd_local.tools.simulator import PROCESSES, PROFILES, TABLE_CONTROLLERS, decision_cost, table

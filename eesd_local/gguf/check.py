@@ -8,10 +8,10 @@ import os
 from functools import cache
 from pathlib import Path
 
-from eesd_local import cachefile
-from eesd_local.errors import EesdError
+from eesd_local.base import cachefile
+from eesd_local.base.errors import EesdError
+from eesd_local.base.paths import cache_dir
 from eesd_local.gguf.reader import check_for_llama, read_header
-from eesd_local.paths import cache_dir
 
 GGUF_MAGIC = b"GGUF"
 

@@ -22,13 +22,13 @@ from typing import Any
 import gguf
 import numpy as np
 
-from eesd_local import cachefile
-from eesd_local.atomic import atomic_path
-from eesd_local.errors import EesdError
+from eesd_local.base import cachefile
+from eesd_local.base.atomic import atomic_path
+from eesd_local.base.errors import EesdError
+from eesd_local.base.paths import cache_dir, models_dir
 from eesd_local.gguf import reader as ggufread
 from eesd_local.gguf.check import check_gguf
 from eesd_local.gguf.writer import write_derived
-from eesd_local.paths import cache_dir, models_dir
 
 HEAD_FORMAT = 1
 HEAD_ARCH = "eesd-head"  # general.architecture of a head file: llama.cpp must not take it for a model

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from eesd_local.errors import EesdError
+from eesd_local.base.errors import EesdError
 
 MAGIC = b"GGUF"
 # GGUF value types

@@ -6,7 +6,7 @@ most of their metadata and tensors from the base file as they are: :func:`write_
 base's key/value pairs by their own types (but those it is told to set or drop) and its tensors'
 bytes straight from the mapped file (a view of the base's memory map, so nothing is held in
 memory), and adds the tensors it is given. :func:`write_derived` does that atomically into the
-cache, with the file's digest (:mod:`eesd_local.cachefile`).
+cache, with the file's digest (:mod:`eesd_local.base.cachefile`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 import gguf
 import numpy as np
 
-from eesd_local import cachefile
-from eesd_local.errors import EesdError
+from eesd_local.base import cachefile
+from eesd_local.base.errors import EesdError
 from eesd_local.gguf.reader import GGUFHeader
 
 # (name, dims in GGUF order, ggml type, bytes or a callable returning them when written)

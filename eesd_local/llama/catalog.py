@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
-from eesd_local import cachefile
-from eesd_local.errors import EesdError
+from eesd_local.base import cachefile
+from eesd_local.base.errors import EesdError
+from eesd_local.base.paths import cache_dir, models_dir
 from eesd_local.gguf.check import check_gguf
-from eesd_local.paths import cache_dir, models_dir
 
 DEFAULT_MODEL = "qwen2.5-coder-0.5b-instruct"
 VARIANT_SEP = ":"  # NAME:q4_0 is the registry model NAME requantised to Q4_0 (tools/weights.py builds it)

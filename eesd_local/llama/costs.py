@@ -28,9 +28,9 @@ from typing import Any
 
 import llama_cpp.llama_cpp as raw
 
-from eesd_local.atomic import write_text_atomic
+from eesd_local.base.atomic import write_text_atomic
+from eesd_local.base.paths import cache_dir
 from eesd_local.llama.runtime import Context, ContextParams
-from eesd_local.paths import cache_dir
 
 FORMAT = 1
 # a verify batch holds draft_max + 1 tokens: 9 by default, up to 65 for drafts of 64; above 9, B(k) is on

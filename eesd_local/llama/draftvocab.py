@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
-from eesd_local import cachefile
-from eesd_local.errors import EesdError
+from eesd_local.base import cachefile
+from eesd_local.base.errors import EesdError
+from eesd_local.base.paths import cache_dir
 from eesd_local.gguf.headfile import fingerprint
-from eesd_local.paths import cache_dir
 
 DRAFT_VOCAB = 32768  # V': the default draft vocabulary size
 VOCAB_FORMAT = 1

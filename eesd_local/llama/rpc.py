@@ -28,7 +28,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from eesd_local.errors import EesdError
+from eesd_local.base.errors import EesdError
 from eesd_local.llama.ggmlapi import ggml_symbol, init_backend, rpc_failures
 
 PROTO = (7, 0)  # RPC_PROTO_MAJOR_VERSION, RPC_PROTO_MINOR_VERSION of the vendored ggml

@@ -25,7 +25,7 @@ import llama_cpp as lc
 import llama_cpp.llama_cpp as raw
 import numpy as np
 
-from eesd_local.errors import ContextFullError, EesdError
+from eesd_local.base.errors import ContextFullError, EesdError
 from eesd_local.gguf.check import check_gguf
 from eesd_local.llama import memtune
 from eesd_local.llama.ggmlapi import EXACT_ALL, exact_rows, ggml_symbol, init_backend, offload_devices, rpc_failures

@@ -45,8 +45,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from eesd_local import cachefile
-from eesd_local.errors import EesdError
+from eesd_local.base import cachefile
+from eesd_local.base.errors import EesdError
+from eesd_local.base.paths import cache_dir
 from eesd_local.gguf.check import check_gguf
 from eesd_local.gguf.headfile import (
     check_exit_layer,
@@ -64,7 +65,6 @@ from eesd_local.gguf.writer import write_derived
 from eesd_local.llama import native
 from eesd_local.llama.draftvocab import DRAFT_VOCAB, read_draft_vocab
 from eesd_local.llama.runtime import Context, ContextParams, Model
-from eesd_local.paths import cache_dir
 
 TAIL_FORMAT = 2
 TRUNK_FORMAT = 1

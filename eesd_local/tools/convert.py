@@ -8,7 +8,7 @@ naming (``model.layers.{N}.*`` plus optional ``model.norm`` / ``lm_head``, and a
 (:func:`eesd_local.gguf.headfile.write_head`) tied to the converted model.
 
 Nothing is written until every input has been read and checked; outputs go to a
-temporary name and are renamed into place (:func:`eesd_local.atomic.atomic_path`).
+temporary name and are renamed into place (:func:`eesd_local.base.atomic.atomic_path`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any
 import gguf
 import numpy as np
 
-from eesd_local.atomic import atomic_path, check_overwrite
-from eesd_local.errors import EesdError
+from eesd_local.base.atomic import atomic_path, check_overwrite
+from eesd_local.base.errors import EesdError
 from eesd_local.gguf.headfile import check_exit_layer, write_head
 from eesd_local.tools.heads.draftvocab import draft_vocab
 

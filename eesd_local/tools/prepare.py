@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from eesd_local.gguf.headfile import head_draft_vocab
 from eesd_local.llama.draftvocab import DRAFT_VOCAB
-from eesd_local.spec.drafters import shared_trunk_plan
-from eesd_local.spec.engine import EngineConfig, check_config
+from eesd_local.speculative.drafters import shared_trunk_plan
+from eesd_local.speculative.engine import EngineConfig, check_config
 from eesd_local.tools import registry
 from eesd_local.tools.heads.draftvocab import draft_vocab
 from eesd_local.tools.registry import Progress

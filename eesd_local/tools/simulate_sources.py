@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eesd_local.defaults import DRAFT_MAX
-from eesd_local.spec.controllers import layout as L
-from eesd_local.spec.controllers import make_controller
+from eesd_local.base.defaults import DRAFT_MAX
+from eesd_local.speculative.controllers import layout as L
+from eesd_local.speculative.controllers import make_controller
 from eesd_local.tools.simulator import PROFILES, T_TOKEN, TIMING_NOISE, CostProfile
 
 LOOKUP_CONTINUATION = 8  # tokens a lookup match offers

@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eesd_local.defaults import DRAFT_MAX
-from eesd_local.spec.controllers import make_controller
-from eesd_local.spec.controllers.jitcache import kernel
-from eesd_local.spec.controllers.kernels import controller_begin, controller_decide, controller_update
-from eesd_local.spec.controllers.layout import MAX_DRAFT, NO_BONUS
-from eesd_local.spec.controllers.rng import beta, normal, seed_words, uniform
+from eesd_local.base.defaults import DRAFT_MAX
+from eesd_local.speculative.controllers import make_controller
+from eesd_local.speculative.controllers.jitcache import kernel
+from eesd_local.speculative.controllers.kernels import controller_begin, controller_decide, controller_update
+from eesd_local.speculative.controllers.layout import MAX_DRAFT, NO_BONUS
+from eesd_local.speculative.controllers.rng import beta, normal, seed_words, uniform
 
 IID, DECAY, CONF, SWITCH = 1, 2, 3, 4
 T_TOKEN = 0.02  # seconds per plain target token in the simulated timings (~Qwen2.5-0.5B on 2 cores)

@@ -27,18 +27,18 @@ import gguf
 import llama_cpp as lc
 import numpy as np
 
-from eesd_local import cachefile
-from eesd_local.atomic import atomic_path, in_cache
-from eesd_local.errors import EesdError
+from eesd_local.base import cachefile
+from eesd_local.base.atomic import atomic_path, in_cache
+from eesd_local.base.errors import EesdError
+from eesd_local.base.params import check_int
 from eesd_local.gguf.check import check_gguf
 from eesd_local.gguf.reader import read_header
 from eesd_local.llama.catalog import check_variant
 from eesd_local.llama.costs import time_batches
 from eesd_local.llama.ggmlapi import init_backend
 from eesd_local.llama.runtime import Context, ContextParams, Model, default_threads
-from eesd_local.params import check_int
-from eesd_local.spec import chat
-from eesd_local.spec.lossless import first_divergence
+from eesd_local.speculative import chat
+from eesd_local.speculative.lossless import first_divergence
 
 COST_KS = (*range(1, 9), 16)  # batch sizes eesd bench measures: the draft lengths up to 8, and 16
 MAX_COST_K = 256  # the largest batch measured: its logits alone take k x n_vocab floats (155 MB for Qwen at 256)

@@ -22,15 +22,15 @@ from typing import Any, Protocol
 from llama_cpp import Llama, llama_model_size
 from llama_cpp.llama_speculative import LlamaDraftModel, LlamaPromptLookupDecoding
 
-from eesd_local.errors import EesdError
+from eesd_local.base.errors import EesdError
 from eesd_local.gguf.reader import bytes_read_per_token
 from eesd_local.llama.catalog import registry_name_for
 from eesd_local.llama.runtime import setup_process
 from eesd_local.llama.trunk import measure_trunk_share
-from eesd_local.spec.controllers import make_controller
-from eesd_local.spec.drafters import DRAFTERS
-from eesd_local.spec.drafters.base import SRC_MODEL
-from eesd_local.spec.events import FinishEvent, Stats, TokenEvent
+from eesd_local.speculative.controllers import make_controller
+from eesd_local.speculative.drafters import DRAFTERS
+from eesd_local.speculative.drafters.base import SRC_MODEL
+from eesd_local.speculative.events import FinishEvent, Stats, TokenEvent
 
 PEER = "llama-cpp-python"
 PEER_LOOKUP = "llama-cpp-python-lookup"

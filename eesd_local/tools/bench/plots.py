@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from eesd_local.atomic import atomic_path
-from eesd_local.errors import EesdError
+from eesd_local.base.atomic import atomic_path
+from eesd_local.base.errors import EesdError
 from eesd_local.tools.bench.runner import Results
 
 PLOTS = ("speedup.png", "acceptance_by_position.png", "draft_length.png")

@@ -27,7 +27,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from eesd_local.errors import EesdError
+from eesd_local.base.errors import EesdError
 from eesd_local.tools.heads.data import parsed_modules, sharegpt_items
 
 BUILTIN_SETS = ("code", "chat", "rewrite", "edits", "rework", "agent")

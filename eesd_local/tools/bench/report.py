@@ -17,7 +17,7 @@ from typing import Any
 
 from rich.table import Table
 
-from eesd_local.spec.events import Stats
+from eesd_local.speculative.events import Stats
 from eesd_local.tools.bench.runner import Results, Run, machine_info
 
 ALL = "all"

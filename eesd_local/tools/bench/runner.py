@@ -26,12 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
-from eesd_local.defaults import DRAFT_MAX
-from eesd_local.errors import EesdError
+from eesd_local.base.defaults import DRAFT_MAX
+from eesd_local.base.errors import EesdError
 from eesd_local.llama.runtime import Context, ContextParams, Model, default_threads
-from eesd_local.spec import lossless
-from eesd_local.spec.drafters import resolve_head
-from eesd_local.spec.engine import Engine, EngineConfig
+from eesd_local.speculative import lossless
+from eesd_local.speculative.drafters import resolve_head
+from eesd_local.speculative.engine import Engine, EngineConfig
 from eesd_local.tools import heads
 from eesd_local.tools.bench.methods import (
     EngineMethod,

@@ -33,9 +33,9 @@ from typing import Any
 
 import llama_cpp
 
-from eesd_local.errors import EesdError
-from eesd_local.paths import package_root
-from eesd_local.spec.events import Stats
+from eesd_local.base.errors import EesdError
+from eesd_local.base.paths import package_root
+from eesd_local.speculative.events import Stats
 from eesd_local.tools.bench.methods import SERVER, MethodSpec, Sampling, Turn
 
 # llama-server --spec-type values of the vendored llama.cpp that need nothing but the model (and,

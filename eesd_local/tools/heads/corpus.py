@@ -49,13 +49,13 @@ import llama_cpp
 import llama_cpp as L
 import numpy as np
 
-from eesd_local.atomic import atomic_path
-from eesd_local.errors import EesdError
+from eesd_local.base.atomic import atomic_path
+from eesd_local.base.errors import EesdError
+from eesd_local.base.paths import cache_dir, models_dir
 from eesd_local.gguf.headfile import fingerprint, model_info
 from eesd_local.gguf.reader import read_header
 from eesd_local.llama import runtime
 from eesd_local.llama.catalog import known_models, registry_name_for
-from eesd_local.paths import cache_dir, models_dir
 from eesd_local.tools.heads import data
 from eesd_local.tools.heads.teacher import chat_formatter, quiet_logs
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from eesd_local.errors import EesdError
+from eesd_local.base.errors import EesdError
 
 SHAREGPT_HELDOUT = 2000  # the last 2,000 complete ShareGPT records are held out of training
 CODE_HELDOUT_MOD = 10  # stdlib modules with crc32(name) % 10 == 0 are held out of training

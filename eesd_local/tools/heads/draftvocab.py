@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from eesd_local import cachefile
-from eesd_local.errors import EesdError
+from eesd_local.base import cachefile
+from eesd_local.base.errors import EesdError
 from eesd_local.llama.draftvocab import DRAFT_VOCAB, cached_draft_vocab, vocab_path
 from eesd_local.llama.runtime import Model
 from eesd_local.tools.heads import data

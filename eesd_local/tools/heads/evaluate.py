@@ -20,12 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-from eesd_local.errors import EesdError
+from eesd_local.base.errors import EesdError
+from eesd_local.base.paths import cache_dir
 from eesd_local.gguf.headfile import build_draft, fingerprint
 from eesd_local.gguf.reader import bytes_read_per_token
 from eesd_local.llama.draftvocab import DRAFT_VOCAB
 from eesd_local.llama.trunk import build_trunk
-from eesd_local.paths import cache_dir
 from eesd_local.tools.heads import shards, teacher
 from eesd_local.tools.heads.data import Item
 from eesd_local.tools.heads.draftvocab import draft_vocab

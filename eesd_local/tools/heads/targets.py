@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from eesd_local.atomic import atomic_path
-from eesd_local.errors import EesdError
+from eesd_local.base.atomic import atomic_path
+from eesd_local.base.errors import EesdError
 from eesd_local.llama.runtime import Model
 from eesd_local.tools.heads import corpus, shards, teacher
 

@@ -25,10 +25,10 @@ import llama_cpp as L
 import numpy as np
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-from eesd_local.atomic import atomic_path
-from eesd_local.errors import EesdError
+from eesd_local.base.atomic import atomic_path
+from eesd_local.base.errors import EesdError
+from eesd_local.base.interrupts import interrupt_for
 from eesd_local.gguf.reader import read_header
-from eesd_local.interrupts import interrupt_for
 from eesd_local.llama import runtime
 from eesd_local.tools.heads.data import Item
 from eesd_local.tools.heads.shards import shard_paths

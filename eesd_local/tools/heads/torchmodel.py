@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eesd_local.errors import EesdError
+from eesd_local.base.errors import EesdError
 from eesd_local.gguf.headfile import dequantize
 from eesd_local.gguf.reader import read_header
 

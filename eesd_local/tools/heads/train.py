@@ -31,9 +31,9 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from eesd_local import cachefile
-from eesd_local.atomic import atomic_path
-from eesd_local.errors import EesdError
+from eesd_local.base import cachefile
+from eesd_local.base.atomic import atomic_path
+from eesd_local.base.errors import EesdError
 from eesd_local.gguf.headfile import FFN_PARTS, head_tensors, read_head_info, write_head
 from eesd_local.gguf.reader import read_header
 from eesd_local.tools.heads.shards import TRUNK_SOURCES, shard_paths, trunk_path, trunk_paths

@@ -15,8 +15,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-from eesd_local.errors import EesdError
-from eesd_local.paths import eesd_home
+from eesd_local.base.errors import EesdError
+from eesd_local.base.paths import eesd_home
 
 _TMP = re.compile(r"^\..+\.tmp-(\d+)$")  # .NAME.tmp-PID, the name atomic_path writes to
 

@@ -8,7 +8,7 @@ b = 1..K+1, and the per-position acceptance chances sampled at the start of a ro
 
 from __future__ import annotations
 
-from eesd_local.spec.controllers.jitcache import kernel
+from eesd_local.speculative.controllers.jitcache import kernel
 
 # controller kinds
 FIXED = 1
@@ -109,3 +109,11 @@ N_SRC = HEADER
 SRC_OFS = HEADER + 1  # MAX_SRC offsets
 MAX_SRC = 2
 MULTI_HEAD = HEADER + 1 + MAX_SRC
+
+
+def loop_slots() -> dict[str, int]:
+    """Where the native round loop reads and writes the state, by field: what it knows before a round
+    (offer_n, offer_conf, offer_match, behind), what begin decided (source, no_bonus) and the catch-up
+    seconds it writes before update."""
+    return {"offer_n": OFFER_N, "offer_conf": OFFER_CONF, "behind": BEHIND, "source": SOURCE,
+            "t_catchup": T_CATCHUP, "offer_match": OFFER_MATCH, "no_bonus": NO_BONUS}

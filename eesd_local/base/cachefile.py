@@ -32,8 +32,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from eesd_local.atomic import atomic_path, write_text_atomic
-from eesd_local.errors import EesdError
+from eesd_local.base.atomic import atomic_path, write_text_atomic
+from eesd_local.base.errors import EesdError
 
 FORMAT = 1
 SUFFIX = ".digest"

@@ -6,7 +6,7 @@ import os
 from importlib import resources
 from pathlib import Path
 
-from eesd_local.errors import EesdError
+from eesd_local.base.errors import EesdError
 
 
 def eesd_home() -> Path:

@@ -9,8 +9,13 @@ from __future__ import annotations
 
 from numba import carray, types
 
-from eesd_local.spec.controllers.jitcache import kernel_cfunc
-from eesd_local.spec.controllers.kernels import controller_begin, controller_decide, controller_hindsight, controller_update
+from eesd_local.speculative.controllers.jitcache import kernel_cfunc
+from eesd_local.speculative.controllers.kernels import (
+    controller_begin,
+    controller_decide,
+    controller_hindsight,
+    controller_update,
+)
 
 _state = types.CPointer(types.float64)
 

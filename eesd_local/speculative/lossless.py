@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eesd_local.claim import CLAIM
+from eesd_local.base.claim import CLAIM
 from eesd_local.llama.runtime import Context, ContextParams, Model
 
 __all__ = ["CLAIM", "NEAR_TIE", "Divergence", "compare", "first_divergence"]

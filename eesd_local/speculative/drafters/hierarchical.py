@@ -9,10 +9,10 @@ target's verification stays exact.
 
 from __future__ import annotations
 
-from eesd_local.spec.drafters.base import SRC_ANY, DrafterBase, NativeSpec, Offer, Proposal, WantMore
-from eesd_local.spec.drafters.lookup import LookupDrafter
-from eesd_local.spec.drafters.model import ModelDrafter
-from eesd_local.spec.sampling import SamplingParams, Uniform
+from eesd_local.speculative.drafters.base import SRC_ANY, DrafterBase, NativeSpec, Offer, Proposal, WantMore
+from eesd_local.speculative.drafters.lookup import LookupDrafter
+from eesd_local.speculative.drafters.model import ModelDrafter
+from eesd_local.speculative.sampling import SamplingParams, Uniform
 
 
 class HierarchicalDrafter(DrafterBase):

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
-from eesd_local.params import SEED_MAX, SEED_MIN, check_optional_int, check_temperature, check_top_k, check_top_p
+from eesd_local.base.params import SEED_MAX, SEED_MIN, check_optional_int, check_temperature, check_top_k, check_top_p
 
 # top-p without top-k: the candidates are the logits within SPAN nats of the largest, for
 # the first span whose softmax mass reaches top_p; they are grouped into bins 1/32 nat wide,

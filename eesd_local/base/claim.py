@@ -1,5 +1,5 @@
 """What eesd-local promises about its output, in the words every place that says it uses
-(README, ``eesd --help``, ``eesd-chat --help``, the API docstring); :mod:`eesd_local.spec.lossless`
+(README, ``eesd --help``, ``eesd-chat --help``, the API docstring); :mod:`eesd_local.speculative.lossless`
 holds the check of a run against plain decoding. A module of its own so that the command-line
 entry points can say it before they import llama.cpp."""
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from eesd_local.errors import EesdError
+from eesd_local.base.errors import EesdError
 from eesd_local.gguf import headfile
 from eesd_local.gguf.check import check_gguf
 from eesd_local.gguf.headfile import check_head_for
@@ -20,11 +20,11 @@ from eesd_local.llama import costs, native
 from eesd_local.llama.catalog import resolve_model
 from eesd_local.llama.runtime import default_threads
 from eesd_local.llama.trunk import SPLIT_ARCHS
-from eesd_local.spec.drafters.auto import AutoDrafter
-from eesd_local.spec.drafters.base import PROTOCOL_MEMBERS, Drafter, DrafterBase, NoDrafter, Offer, Proposal
-from eesd_local.spec.drafters.hierarchical import HierarchicalDrafter
-from eesd_local.spec.drafters.lookup import LookupDrafter
-from eesd_local.spec.drafters.model import ModelDrafter
+from eesd_local.speculative.drafters.auto import AutoDrafter
+from eesd_local.speculative.drafters.base import PROTOCOL_MEMBERS, Drafter, DrafterBase, NoDrafter, Offer, Proposal
+from eesd_local.speculative.drafters.hierarchical import HierarchicalDrafter
+from eesd_local.speculative.drafters.lookup import LookupDrafter
+from eesd_local.speculative.drafters.model import ModelDrafter
 
 if TYPE_CHECKING:
     from eesd_local.llama.runtime import Model
@@ -121,7 +121,7 @@ def make_drafter(config: Any, model: Model, trunk: Any = None) -> tuple[Drafter,
         missing = [m for m in PROTOCOL_MEMBERS if not hasattr(kind, m)]
         if missing:
             raise EesdError(f"the drafter {kind!r} lacks {', '.join(missing)} of the Drafter protocol",
-                            hint="subclass eesd_local.spec.drafters.DrafterBase, which has them all")
+                            hint="subclass eesd_local.speculative.drafters.DrafterBase, which has them all")
         return kind, f"drafter: {kind.name}"
     if kind not in REGISTRY:
         raise EesdError(f"unknown drafter {kind!r}", hint=f"choose one of {', '.join(DRAFTERS)}")

@@ -89,9 +89,9 @@ from __future__ import annotations
 
 import math
 
-from eesd_local.spec.controllers.common import discount, ema, observe
-from eesd_local.spec.controllers.jitcache import kernel
-from eesd_local.spec.controllers.layout import (
+from eesd_local.speculative.controllers.common import discount, ema, observe
+from eesd_local.speculative.controllers.jitcache import kernel
+from eesd_local.speculative.controllers.layout import (
     ALL_A,
     ALL_B,
     BATCH_COSTS,
@@ -129,7 +129,7 @@ from eesd_local.spec.controllers.layout import (
     vc0,
     ve0,
 )
-from eesd_local.spec.controllers.rng import beta, uniform
+from eesd_local.speculative.controllers.rng import beta, uniform
 
 BIN_PRIOR = 2.0  # prior strength of a confidence bin, centred on the bin's confidence
 POS_PRIOR = 2.0  # prior strength of a deeper position's odds ratio, centred on 1 ("as good as the one before")

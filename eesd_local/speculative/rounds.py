@@ -16,8 +16,8 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from eesd_local.llama.runtime import Context
-from eesd_local.spec.drafters.base import SRC_ANY, Drafter
-from eesd_local.spec.sampling import SamplingParams, Uniform, verify_greedy, verify_sampled
+from eesd_local.speculative.drafters.base import SRC_ANY, Drafter
+from eesd_local.speculative.sampling import SamplingParams, Uniform, verify_greedy, verify_sampled
 
 
 class RoundResult(NamedTuple):

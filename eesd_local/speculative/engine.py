@@ -18,14 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from eesd_local.defaults import BATCH_MS, DRAFT_MAX, N_CTX, PREFILL_CHUNK
-from eesd_local.errors import EesdError
-from eesd_local.llama import costs
-from eesd_local.llama.catalog import resolve_model
-from eesd_local.llama.rpc import parse_endpoints
-from eesd_local.llama.runtime import Context, ContextParams, Detokenizer, Model, common_prefix, exactness
-from eesd_local.llama.trunk import open_split
-from eesd_local.params import (
+from eesd_local.base.defaults import BATCH_MS, DRAFT_MAX, N_CTX, PREFILL_CHUNK
+from eesd_local.base.errors import EesdError
+from eesd_local.base.params import (
     MAX_THREADS,
     SEED_MAX,
     SEED_MIN,
@@ -37,15 +32,20 @@ from eesd_local.params import (
     check_sampling,
     show,
 )
-from eesd_local.spec import chat as chat_mod
-from eesd_local.spec import native_round
-from eesd_local.spec.controllers import DEFAULT_CONTROLLER, make_controller
-from eesd_local.spec.controllers import Controller as StateController
-from eesd_local.spec.drafters import DRAFTERS, make_drafter, n_sources, placement, shared_trunk_plan
-from eesd_local.spec.drafters.base import Drafter, NoDrafter
-from eesd_local.spec.events import Event, FinishEvent, RoundEvent, Stats, TokenEvent
-from eesd_local.spec.rounds import Controller, RoundLoop, round_limit
-from eesd_local.spec.sampling import SamplingParams, Uniform, probs, sample
+from eesd_local.llama import costs
+from eesd_local.llama.catalog import resolve_model
+from eesd_local.llama.rpc import parse_endpoints
+from eesd_local.llama.runtime import Context, ContextParams, Detokenizer, Model, common_prefix, exactness
+from eesd_local.llama.trunk import open_split
+from eesd_local.speculative import chat as chat_mod
+from eesd_local.speculative import native_round
+from eesd_local.speculative.controllers import DEFAULT_CONTROLLER, make_controller
+from eesd_local.speculative.controllers import Controller as StateController
+from eesd_local.speculative.drafters import DRAFTERS, make_drafter, n_sources, placement, shared_trunk_plan
+from eesd_local.speculative.drafters.base import Drafter, NoDrafter
+from eesd_local.speculative.events import Event, FinishEvent, RoundEvent, Stats, TokenEvent
+from eesd_local.speculative.rounds import Controller, RoundLoop, round_limit
+from eesd_local.speculative.sampling import SamplingParams, Uniform, probs, sample
 
 MAX_BATCH_MS = 3_600_000.0
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from eesd_local.errors import EesdError
+from eesd_local.base.errors import EesdError
 from eesd_local.llama.runtime import Context, ContextParams, Model, common_prefix
-from eesd_local.spec.drafters.base import SRC_ANY, DrafterBase, NativeSpec, Offer, Proposal, WantMore
-from eesd_local.spec.sampling import SamplingParams, Uniform, probs, sample
+from eesd_local.speculative.drafters.base import SRC_ANY, DrafterBase, NativeSpec, Offer, Proposal, WantMore
+from eesd_local.speculative.sampling import SamplingParams, Uniform, probs, sample
 
 
 def check_same_vocab(target: Model, draft: Model, what: str) -> None:

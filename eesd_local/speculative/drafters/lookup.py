@@ -4,8 +4,8 @@ the answer copies its input (edits, code rewrites)."""
 
 from __future__ import annotations
 
-from eesd_local.spec.drafters.base import SRC_ANY, DrafterBase, NativeSpec, Offer, Proposal, WantMore
-from eesd_local.spec.sampling import SamplingParams, Uniform
+from eesd_local.speculative.drafters.base import SRC_ANY, DrafterBase, NativeSpec, Offer, Proposal, WantMore
+from eesd_local.speculative.sampling import SamplingParams, Uniform
 
 MATCH_CAP = 16  # a match is measured up to this many tokens (the controller pools 10 and more)
 

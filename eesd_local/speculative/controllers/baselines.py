@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from eesd_local.spec.controllers.jitcache import kernel
-from eesd_local.spec.controllers.layout import MAX_DRAFT, PARAM
+from eesd_local.speculative.controllers.jitcache import kernel
+from eesd_local.speculative.controllers.layout import MAX_DRAFT, PARAM
 
 HEURISTIC_START = 5.0  # transformers' assistant starts at num_assistant_tokens = 5
 

@@ -23,15 +23,15 @@ from typing import Any
 
 import numpy as np
 
-from eesd_local.errors import ContextFullError, EesdError
+from eesd_local.base.errors import ContextFullError, EesdError
 from eesd_local.llama import native as native_ext
 from eesd_local.llama.ggmlapi import rpc_failures
 from eesd_local.llama.runtime import Context, check_rpc
-from eesd_local.spec.controllers import layout as L
-from eesd_local.spec.controllers.cfuncs import addresses, hindsight_address
-from eesd_local.spec.drafters.base import Drafter, NativeSpec
-from eesd_local.spec.rounds import Controller, PythonRounds, RoundLoop, RoundResult
-from eesd_local.spec.sampling import SamplingParams, TokenRNG
+from eesd_local.speculative.controllers import layout as L
+from eesd_local.speculative.controllers.cfuncs import addresses, hindsight_address
+from eesd_local.speculative.drafters.base import Drafter, NativeSpec
+from eesd_local.speculative.rounds import Controller, PythonRounds, RoundLoop, RoundResult
+from eesd_local.speculative.sampling import SamplingParams, TokenRNG
 
 # the extension's drafting modes: nothing, n-gram lookup proposals, a draft context, the controller's choice per round
 NONE, POINT, MODEL, CHOOSE = 0, 1, 2, 3
@@ -79,10 +79,10 @@ def _open(ctx: Context, what: str) -> int:
 
 
 class NativeRounds:
-    """One generation's rounds through the extension (:class:`eesd_local.spec.rounds.RoundLoop`).
+    """One generation's rounds through the extension (:class:`eesd_local.speculative.rounds.RoundLoop`).
 
     The extension runs rounds in batches: one call runs the rounds the engine would ask for
-    next (the same :func:`eesd_local.spec.rounds.round_limit`, from the tokens still wanted and the
+    next (the same :func:`eesd_local.speculative.rounds.round_limit`, from the tokens still wanted and the
     room left) until ``batch_s`` seconds have passed, an end-of-generation token, or
     :meth:`cancel`; the engine then takes them one by one, with the same events as
     round-by-round calls. So Python runs once per batch rather than once per round: on a
@@ -105,15 +105,17 @@ class NativeRounds:
             self.draft_ctx, ctx = ctx.trunk, ctx.tail  # type: ignore[attr-defined]
         self.ctx = ctx
         draft = self.draft_ctx
+        slots = L.loop_slots()
         self.rounds = native.Rounds(_open(ctx, "target"), ctx.n_batch, 0 if split or not draft else _open(draft, "draft"),
-                                    draft.n_batch if draft else 0, *addresses(), no_bonus_slot=L.NO_BONUS)
+                                    draft.n_batch if draft else 0, *addresses(), no_bonus_slot=slots["no_bonus"])
         if split:
             trunk: Any = draft
             t = trunk.table
             self.rounds.set_split(_open(trunk, "trunk"), trunk.n_batch, trunk.capture.user_data, t._raw.ctypes.data,
                                   t.row_bytes, t.type, t.n_rows, t.n_embd, [int(v) for v in trunk.vocab],
                                   int(trunk.target_model.ptr))
-        self.rounds.set_slots(L.OFFER_N, L.OFFER_CONF, L.BEHIND, L.SOURCE, L.T_CATCHUP, L.OFFER_MATCH)
+        self.rounds.set_slots(slots["offer_n"], slots["offer_conf"], slots["behind"], slots["source"], slots["t_catchup"],
+                              slots["offer_match"])
         if hindsight:
             self.rounds.set_hindsight(hindsight_address())
         self._names = {L.SRC_LOOKUP: drafter.source_name(L.SRC_LOOKUP), L.SRC_MODEL: drafter.source_name(L.SRC_MODEL)}

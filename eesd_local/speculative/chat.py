@@ -12,8 +12,8 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from eesd_local.errors import EesdError
-from eesd_local.params import ParamError, show
+from eesd_local.base.errors import EesdError
+from eesd_local.base.params import ParamError, show
 
 Message = dict[str, str]
 

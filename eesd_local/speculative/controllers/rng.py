@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from eesd_local.spec.controllers.jitcache import kernel
+from eesd_local.speculative.controllers.jitcache import kernel
 
 MASK32 = 0xFFFFFFFF
 MASK64 = 0xFFFFFFFFFFFFFFFF

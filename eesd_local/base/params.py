@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from eesd_local.errors import EesdError
+from eesd_local.base.errors import EesdError
 
 INT32_MAX = 2**31 - 1  # llama.cpp's and the native loop's int: token counts, top_k, context sizes
 MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS

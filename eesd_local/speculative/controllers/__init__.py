@@ -19,19 +19,19 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from eesd_local.defaults import DRAFT_MAX
-from eesd_local.errors import EesdError
-from eesd_local.spec.controllers import layout as L
-from eesd_local.spec.controllers.baselines import HEURISTIC_START
-from eesd_local.spec.controllers.kernels import (
+from eesd_local.base.defaults import DRAFT_MAX
+from eesd_local.base.errors import EesdError
+from eesd_local.speculative.controllers import layout as L
+from eesd_local.speculative.controllers.baselines import HEURISTIC_START
+from eesd_local.speculative.controllers.kernels import (
     controller_begin,
     controller_decide,
     controller_hindsight,
     controller_new_request,
     controller_update,
 )
-from eesd_local.spec.controllers.rng import seed_words
-from eesd_local.spec.controllers.thompson import (
+from eesd_local.speculative.controllers.rng import seed_words
+from eesd_local.speculative.controllers.thompson import (
     BIN_PRIOR,
     DRAFT_MARGIN,
     POS_PRIOR,

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 
-from eesd_local.spec.sampling import SamplingParams, Uniform
+from eesd_local.speculative.sampling import SamplingParams, Uniform
 
 if TYPE_CHECKING:
     from eesd_local.llama.runtime import Context

@@ -12,12 +12,12 @@ C-friendly signatures, so the native round loop takes the same code as Numba ``c
 
 from __future__ import annotations
 
-from eesd_local.spec.controllers.baselines import fixed_decide, heuristic_decide, heuristic_update, pmin_decide
-from eesd_local.spec.controllers.common import update_header
-from eesd_local.spec.controllers.jitcache import kernel
-from eesd_local.spec.controllers.layout import FIXED, HEURISTIC, KIND, MULTI, PMIN, RULE, THOMPSON
-from eesd_local.spec.controllers.multi import multi_begin, multi_decide, multi_hindsight, multi_new_request, multi_update
-from eesd_local.spec.controllers.thompson import ts_begin, ts_decide, ts_hindsight, ts_new_request, ts_update
+from eesd_local.speculative.controllers.baselines import fixed_decide, heuristic_decide, heuristic_update, pmin_decide
+from eesd_local.speculative.controllers.common import update_header
+from eesd_local.speculative.controllers.jitcache import kernel
+from eesd_local.speculative.controllers.layout import FIXED, HEURISTIC, KIND, MULTI, PMIN, RULE, THOMPSON
+from eesd_local.speculative.controllers.multi import multi_begin, multi_decide, multi_hindsight, multi_new_request, multi_update
+from eesd_local.speculative.controllers.thompson import ts_begin, ts_decide, ts_hindsight, ts_new_request, ts_update
 
 
 @kernel

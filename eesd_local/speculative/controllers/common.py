@@ -3,8 +3,8 @@ and the header statistics (acceptance, timings) that ``belief()`` reports."""
 
 from __future__ import annotations
 
-from eesd_local.spec.controllers.jitcache import kernel
-from eesd_local.spec.controllers.layout import (
+from eesd_local.speculative.controllers.jitcache import kernel
+from eesd_local.speculative.controllers.layout import (
     ALL_A,
     EMA_ACCEPTED,
     EMA_DRAFTED,

@@ -11,7 +11,7 @@ before. Should Numba's caching internals
 
 Numba reads its cache files back without checking them: a damaged data file is unpickled
 into machine code that runs (or raises an UnpicklingError out of the first call). So the
-kernels' index and data files carry a content check (:mod:`eesd_local.cachefile`): each file Numba
+kernels' index and data files carry a content check (:mod:`eesd_local.base.cachefile`): each file Numba
 writes for a kernel gets its digest, and a file that fails the check before Numba reads it is
 removed and its kernel compiled again.
 
@@ -39,7 +39,7 @@ from numba.core import caching, event, sigutils
 from numba.core.ccallback import CFunc
 from numba.core.dispatcher import Dispatcher
 
-from eesd_local import cachefile
+from eesd_local.base import cachefile
 
 HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

@@ -23,9 +23,9 @@ that resumes it.
 
 from __future__ import annotations
 
-from eesd_local.spec.controllers.common import discount, update_header
-from eesd_local.spec.controllers.jitcache import kernel
-from eesd_local.spec.controllers.layout import (
+from eesd_local.speculative.controllers.common import discount, update_header
+from eesd_local.speculative.controllers.jitcache import kernel
+from eesd_local.speculative.controllers.layout import (
     BEHIND,
     FORGET,
     HINDSIGHT,
@@ -48,7 +48,7 @@ from eesd_local.spec.controllers.layout import (
     T_CATCHUP,
     thompson_size,
 )
-from eesd_local.spec.controllers.thompson import (
+from eesd_local.speculative.controllers.thompson import (
     REQUEST_PROBES,
     record_verify,
     refresh_verify_estimates,

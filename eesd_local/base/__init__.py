@@ -1,0 +1,1 @@
+"""The base layer: errors, paths, atomic files, cache files, parameters and defaults, interrupts, claims."""
