@@ -20,6 +20,7 @@ import pytest
 from eesd_local.base.errors import EesdError
 from eesd_local.cli import main
 from eesd_local.gguf.headfile import read_head_info
+from eesd_local.llama.runtime import Model
 from eesd_local.tools.heads import corpus, shards, targets
 from eesd_local.tools.heads.corpus import Answer, CorpusWarning, ModelStamp
 from eesd_local.tools.heads.teacher import chat_formatter
@@ -253,6 +254,7 @@ def test_cli_grow_stops_at_the_size_budget_and_info_reports(tiny, capsys):
     assert "--n-parallel must be an integer from 1" in capsys.readouterr().err
 
 
+@pytest.mark.model
 @needs_demo
 def test_real_model_answers_two_prompts(prompts, tmp_path):
     folder = tmp_path / "c"
@@ -261,14 +263,14 @@ def test_real_model_answers_two_prompts(prompts, tmp_path):
     assert (report.answers, report.stop) == (2, "prompts")
     c = corpus.read_corpus(folder, model=ModelStamp.of(DEMO))
     render = chat_formatter(DEMO)
-    llm = corpus.Answerer(DEMO, cfg)
+    model = Model(DEMO, vocab_only=True)
     try:
         for a, item in zip(c.answers, prompts[:2]):
             assert a.source == item.id and len(a.tokens) == 8 and not a.finished
-            rebuilt = llm.tokenize(render([{"role": r, "content": t} for r, t in item.messages]))
+            rebuilt = model.tokenize(render([{"role": r, "content": t} for r, t in item.messages]), add_special=False)
             assert corpus.prompt_sha(rebuilt) == a.prompt_sha and len(rebuilt) == a.n_prompt
     finally:
-        llm.close()
+        model.close()
 
 
 @needs_demo

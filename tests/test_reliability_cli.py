@@ -68,7 +68,7 @@ def test_corpus_grow_checks_the_folder_before_the_model_loads(tiny, monkeypatch)
     def no_load(*a, **k):
         raise AssertionError("the model loaded before the folder was checked")
 
-    monkeypatch.setattr(corpus, "Answerer", no_load)
+    monkeypatch.setattr(corpus, "open_context", no_load)
     with pytest.raises(EesdError, match="cannot write the corpus folder /proc/x"):
         corpus.grow(tiny, Path("/proc/x"), minutes=0.1)
 

@@ -3,8 +3,11 @@
 Everything the engine needs from llama.cpp and nothing more: load a model, tokenize
 and detokenize, decode a batch at given positions with logits for chosen rows, read
 those rows as NumPy arrays, and trim the KV cache. One :class:`Context` holds one
-sequence (seq 0); it tracks which tokens its KV cache holds so callers can reuse a
-common prefix and roll back past rejected drafts.
+sequence (seq 0) unless asked for more; it tracks which tokens seq 0's KV cache holds so
+callers can reuse a common prefix and roll back past rejected drafts. A context of several
+sequences (``n_seq_max``: the heads tools' teacher and corpus) decodes batches whose rows
+name their own position and sequence (:meth:`Context.decode_rows`), and frees a finished
+sequence's cells (:meth:`Context.clear_seq`).
 """
 
 from __future__ import annotations
@@ -324,13 +327,15 @@ class ContextParams:
     n_ctx: int = 4096
     n_batch: int = 512
     n_threads: int | None = None
-    # llama.cpp's default (auto) turns flash attention on where the backend has it; off, the
-    # logits match llama-cpp-python's Llama (which disables it unless asked) bit for bit
-    flash_attn: bool = False
+    # llama.cpp's default (auto, None here) turns flash attention on where the backend has it; off,
+    # the logits match llama-cpp-python's Llama (which disables it unless asked) bit for bit
+    flash_attn: bool | None = False
+    n_seq_max: int = 1  # sequences the context holds (rows of decode_rows name theirs)
+    kv_unified: bool = False  # several sequences: one KV buffer shared by all, or a stream each
 
 
 class Context:
-    """One llama.cpp context with a single sequence and a record of its KV contents."""
+    """One llama.cpp context with a record of what its KV cache holds for sequence 0 (by default its only one)."""
 
     ptr: Any = None  # llama_context*; None once freed (or before it was made)
     _batch: Any = None  # its llama_batch
@@ -345,13 +350,17 @@ class Context:
             raise EesdError(f"--n-ctx must be a positive number of tokens, got {params.n_ctx}", hint="e.g. --n-ctx 4096")
         if params.n_batch < 1:
             raise EesdError(f"the batch size must be a positive number of tokens, got {params.n_batch}")
+        if params.n_seq_max < 1:
+            raise EesdError(f"a context holds at least one sequence, got n_seq_max={params.n_seq_max}")
         self.model = model
         cp = lc.llama_context_default_params()
         cp.n_ctx = params.n_ctx
         cp.n_batch = params.n_batch
         cp.n_ubatch = params.n_batch
-        cp.n_seq_max = 1
-        cp.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if params.flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cp.n_seq_max = params.n_seq_max
+        cp.kv_unified = params.kv_unified
+        cp.flash_attn_type = (lc.LLAMA_FLASH_ATTN_TYPE_AUTO if params.flash_attn is None else
+                              lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if params.flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         threads = params.n_threads or default_threads()
         cp.n_threads = threads
         cp.n_threads_batch = threads
@@ -390,6 +399,13 @@ class Context:
     def clear(self) -> None:
         lc.llama_memory_clear(self.mem, True)
         self.tokens.clear()
+
+    def clear_seq(self, seq: int) -> None:
+        """Drop every cached position of sequence ``seq`` (its cells are free for the next one); for
+        sequence 0 the record of :attr:`tokens` too."""
+        lc.llama_memory_seq_rm(self.mem, seq, -1, -1)
+        if seq == 0:
+            self.tokens.clear()
 
     def room(self) -> int:
         """How many more tokens fit into the context."""
@@ -443,10 +459,7 @@ class Context:
                 b.seq_id[i][0] = 0
                 b.logits[i] = i >= first_out
             b.n_tokens = len(chunk)
-            lost = rpc_failures() if self.model.rpc else 0
-            rc = lc.llama_decode(self.ptr, b)
-            if self.model.rpc:
-                self._check_rpc(lost)
+            rc = self._llama_decode()
             if rc != 0:
                 # llama.cpp keeps processed ubatches on fatal errors: resynchronise our record
                 pos_max = int(lc.llama_memory_seq_pos_max(self.mem, 0))
@@ -460,6 +473,51 @@ class Context:
             self._out_base = first_out
         self._n_out = n_logits
         return n_logits
+
+    def decode_rows(self, rows: Sequence[tuple[int, int, int, bool]]) -> np.ndarray:
+        """Decode one batch of (token, position, sequence, wants logits) rows, each placed where its caller
+        says (a context of several sequences: the teacher's and the corpus' batches mix them); return the
+        logits of the rows that want them, in row order, as an (n, n_vocab) float32 view into llama.cpp's
+        buffer, valid until the next decode. The rows must fit one batch (:attr:`n_batch`). The record of
+        :attr:`tokens` is left alone: a caller of this method keeps its own, and :meth:`logits` reads the
+        rows of :meth:`decode` only."""
+        n = len(rows)
+        n_vocab = self.model.n_vocab
+        self._n_out = 0
+        if n == 0:
+            return np.zeros((0, n_vocab), np.float32)
+        if self.embd:
+            raise ValueError("this context is fed embeddings, not token ids")
+        if n > self.n_batch:
+            raise ValueError(f"{n} rows do not fit one batch of {self.n_batch}")
+        b = self._batch
+        n_out = 0
+        for i, (tok, pos, seq, out) in enumerate(rows):
+            if not 0 <= tok < n_vocab:  # llama.cpp would reject the whole batch with code -1 and say nothing more
+                self.model.check_token(tok, f" (row {i} of {n})")
+            b.token[i] = tok
+            b.pos[i] = pos
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = bool(out)
+            n_out += bool(out)
+        b.n_tokens = n
+        rc = self._llama_decode()
+        if rc == 1:
+            raise ContextFullError(f"llama.cpp found no KV slot for {n} tokens", hint="pass a larger --n-ctx")
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed with code {rc}")
+        if n_out == 0:
+            return np.zeros((0, n_vocab), np.float32)
+        return np.ctypeslib.as_array(lc.llama_get_logits(self.ptr), shape=(n_out, n_vocab))
+
+    def _llama_decode(self) -> int:
+        """``llama_decode`` of the batch as filled; on an RPC model, then the check that no server stopped answering."""
+        lost = rpc_failures() if self.model.rpc else 0
+        rc = int(lc.llama_decode(self.ptr, self._batch))
+        if self.model.rpc:
+            self._check_rpc(lost)
+        return rc
 
     def _check_rpc(self, before: int) -> None:
         """After a decode on an RPC model: its outputs arrived (llama.cpp copies them lazily), and no

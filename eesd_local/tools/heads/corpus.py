@@ -46,7 +46,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import llama_cpp
-import llama_cpp as L
 import numpy as np
 
 from eesd_local.base.atomic import atomic_path
@@ -54,10 +53,9 @@ from eesd_local.base.errors import EesdError
 from eesd_local.base.paths import cache_dir, models_dir
 from eesd_local.gguf.headfile import fingerprint, model_info
 from eesd_local.gguf.reader import read_header
-from eesd_local.llama import runtime
 from eesd_local.llama.catalog import known_models, registry_name_for
 from eesd_local.tools.heads import data
-from eesd_local.tools.heads.teacher import chat_formatter, quiet_logs
+from eesd_local.tools.heads.teacher import chat_formatter, open_context
 
 FORMAT = 1
 MAGIC = b"EESDCORP"
@@ -395,74 +393,6 @@ def items_by_source(mix: str = "own") -> dict[str, data.Item]:
 # --- generating answers ---------------------------------------------------------------------
 
 
-class Answerer:
-    """The model in llama.cpp with ``n_parallel`` sequences, each in its own KV stream (a row attends to its
-    sequence's cells only: with one unified cache every row would scan all sequences' cells), logits only
-    on the rows that pick a token."""
-
-    def __init__(self, model_path: Path, cfg: GrowConfig):
-        runtime.setup_process()  # llama.cpp's model defaults made safe on AMX CPUs (and malloc tuned)
-        self.L = L
-        L.llama_backend_init()
-        quiet_logs(L)
-        self.model = L.llama_model_load_from_file(str(model_path).encode(), L.llama_model_default_params())
-        if not self.model:
-            raise EesdError(f"llama.cpp could not load {model_path}")
-        cp = L.llama_context_default_params()
-        cp.n_seq_max = cfg.n_parallel
-        cp.n_ctx = cfg.n_parallel * (cfg.max_prompt + cfg.max_new + 8)
-        cp.n_batch = cp.n_ubatch = cfg.n_batch
-        cp.n_threads = cp.n_threads_batch = cfg.threads
-        cp.kv_unified = False
-        self.ctx = L.llama_init_from_model(self.model, cp)
-        if not self.ctx:
-            raise EesdError(f"llama.cpp could not create a context for {model_path}")
-        self.vocab = L.llama_model_get_vocab(self.model)
-        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
-        self.mem = L.llama_get_memory(self.ctx)
-        self.batch = L.llama_batch_init(cfg.n_batch, 0, 1)
-
-    def tokenize(self, text: str) -> list[int]:
-        raw = text.encode("utf-8")
-        buf = (self.L.llama_token * (len(raw) + 16))()
-        n = self.L.llama_tokenize(self.vocab, raw, len(raw), buf, len(buf), False, True)
-        if n < 0:
-            raise EesdError("tokenization failed")
-        return list(buf[:n])
-
-    def is_eog(self, token: int) -> bool:
-        return bool(self.L.llama_vocab_is_eog(self.vocab, token))
-
-    def decode_argmax(self, rows: list[tuple[int, int, int, bool]]) -> np.ndarray:
-        """Decode (token, pos, seq, wants a token) rows; the greedy next token of each row that wants one."""
-        b = self.batch
-        for i, (tok, pos, seq, out) in enumerate(rows):
-            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, out
-            b.seq_id[i][0] = seq
-        b.n_tokens = len(rows)
-        rc = self.L.llama_decode(self.ctx, b)
-        if rc != 0:
-            raise RuntimeError(f"llama_decode returned {rc}")
-        n_out = sum(r[3] for r in rows)
-        ptr = self.L.llama_get_logits(self.ctx)
-        logits = np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab))
-        return logits.argmax(axis=1)
-
-    def clear(self, seq: int) -> None:
-        self.L.llama_memory_seq_rm(self.mem, seq, -1, -1)
-
-    def close(self) -> None:
-        """Free each handle once: it leaves the object before it is freed (as teacher.LlamaRunner.close)."""
-        handles = vars(self)
-        batch, ctx, model = handles.pop("batch", None), handles.pop("ctx", None), handles.pop("model", None)
-        if batch is not None:
-            self.L.llama_batch_free(batch)
-        if ctx:
-            self.L.llama_free(ctx)
-        if model:
-            self.L.llama_model_free(model)
-
-
 @dataclass
 class _Slot:
     item: data.Item
@@ -576,7 +506,10 @@ def grow(
         pending = (it for it in (prompt_items(cfg.mix) if items is None else items) if it.id not in done and it.messages)
         settings = settings_of(cfg, model_path)
         render = chat_formatter(model_path)
-        runner = Answerer(model_path, cfg)
+        # each sequence in its own KV stream (a row attends to its sequence's cells only: with one unified
+        # cache every row would scan all sequences' cells), logits only on the rows that pick a token
+        ctx = open_context(model_path, n_parallel=cfg.n_parallel, n_ctx_per_seq=cfg.max_prompt + cfg.max_new + 8,
+                           threads=cfg.threads, n_batch=cfg.n_batch, kv_unified=False)
         stop = {"signum": 0}
 
         def on_signal(signum, frame):  # noqa: ARG001
@@ -619,7 +552,8 @@ def grow(
                         if item is None:
                             report.stop = "prompts"
                             break
-                        prompt = runner.tokenize(render([{"role": r, "content": c} for r, c in item.messages]))
+                        text = render([{"role": r, "content": c} for r, c in item.messages])
+                        prompt = ctx.model.tokenize(text, add_special=False)
                         if len(prompt) <= cfg.max_prompt:
                             slots[s] = _Slot(item, prompt)
                 active = [(s, sl) for s, sl in enumerate(slots) if sl is not None]
@@ -630,18 +564,18 @@ def grow(
                 rows, owners, fed = _batch(active, cfg.n_batch, cfg.prompt_chunk)
                 report.prompt_tokens += fed
                 t_gen = t_gen or time.time()
-                next_tokens = runner.decode_argmax(rows)
+                next_tokens = ctx.decode_rows(rows).argmax(axis=1)
                 for s, tok in zip(owners, next_tokens.tolist()):
                     ended = slots[s]
                     assert ended is not None
                     ended.answer.append(tok)
                     report.generated += 1
-                    eog = runner.is_eog(tok)
+                    eog = ctx.model.is_eog(tok)
                     if eog or len(ended.answer) >= cfg.max_new:
                         answer = np.asarray(ended.answer, np.int32)
                         finished.append(Answer(ended.item.id, prompt_sha(ended.prompt), len(ended.prompt), answer, eog))
                         lengths.append(len(ended.answer))
-                        runner.clear(s)
+                        ctx.clear_seq(s)
                         slots[s] = None
                 buffered = sum(len(a.tokens) for a in finished)
                 if buffered >= cfg.shard_tokens or (finished and time.time() - last_write >= cfg.shard_seconds):
@@ -666,7 +600,7 @@ def grow(
             finally:
                 signal.signal(signal.SIGINT, old[0])
                 signal.signal(signal.SIGTERM, old[1])
-                runner.close()
+                ctx.close()
     report.signum = stop["signum"]
     if report.signum:
         report.stop = "interrupted"

@@ -81,7 +81,7 @@ def draft_agreement(draft_path: Path, answers_dir: Path, *, threads: int = 2, vo
     with ``vocab`` (the shared trunk's V') also ``agree_v``: the argmax over those rows only, which
     is what the V' head computes (its rows are the same rows of the same requantized LM head);
     ``agree_more``: the same over each of ``more_vocabs`` (other V' sizes, one pass of the draft)."""
-    runner = teacher.LlamaRunner(Path(draft_path), n_parallel=1, n_ctx_per_seq=2048, threads=threads)
+    ctx = teacher.open_context(Path(draft_path), n_parallel=1, n_ctx_per_seq=2048, threads=threads)
     vocabs = ([] if vocab is None else [vocab]) + list(more_vocabs)
     out = []
     try:
@@ -91,10 +91,10 @@ def draft_agreement(draft_path: Path, answers_dir: Path, *, threads: int = 2, vo
             for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
                 seq = tokens[a:b].tolist()
                 preds: list[list[np.ndarray]] = [[] for _ in range(1 + len(vocabs))]  # all rows, then each vocab
-                runner.clear_seq(0)
-                for c in range(0, len(seq) - 1, runner.n_batch):
-                    chunk = seq[c : min(c + runner.n_batch, len(seq) - 1)]
-                    logits = runner.decode([(t, c + j, 0) for j, t in enumerate(chunk)])
+                ctx.clear_seq(0)
+                for c in range(0, len(seq) - 1, ctx.n_batch):
+                    chunk = seq[c : min(c + ctx.n_batch, len(seq) - 1)]
+                    logits = ctx.decode_rows([(t, c + j, 0, True) for j, t in enumerate(chunk)])
                     preds[0].append(logits.argmax(-1))
                     for v, got in zip(vocabs, preds[1:]):
                         got.append(v[logits[:, v].argmax(-1)])
@@ -108,7 +108,7 @@ def draft_agreement(draft_path: Path, answers_dir: Path, *, threads: int = 2, vo
                     rec["agree_more"] = agree[len(agree) - len(more_vocabs) :]
                 out.append(rec)
     finally:
-        runner.close()
+        ctx.close()
     return out
 
 
@@ -130,26 +130,27 @@ def tau_iid(a: float, k: int) -> float:
 
 def measure_cost(model_path: Path, draft_path: Path, *, threads: int = 2, reps: int = 5) -> float:
     """Draft cost per token / target cost per token (single-token decodes after a 32-token prefix)."""
-    runners = [teacher.LlamaRunner(Path(p), n_parallel=1, n_ctx_per_seq=256, threads=threads) for p in (model_path, draft_path)]
+    ctxs = [teacher.open_context(Path(p), n_parallel=1, n_ctx_per_seq=256, threads=threads) for p in (model_path, draft_path)]
     try:
-        toks = runners[0].tokenize(
-            "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n" * 3
+        toks = ctxs[0].model.tokenize(
+            "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n" * 3,
+            add_special=False,
         )[:48]
         times: list[list[float]] = [[], []]
         for _ in range(reps):
-            for r, tl in zip(runners, times):
-                r.clear_seq(0)
-                r.decode([(t, i, 0) for i, t in enumerate(toks[:32])])
+            for ctx, tl in zip(ctxs, times):
+                ctx.clear_seq(0)
+                ctx.decode_rows([(t, i, 0, True) for i, t in enumerate(toks[:32])])
                 for j in range(8):
                     t0 = time.perf_counter()
-                    r.decode([(toks[32 + j], 32 + j, 0)])
+                    ctx.decode_rows([(toks[32 + j], 32 + j, 0, True)])
                     tl.append(time.perf_counter() - t0)
         # the machine is shared: the lower quartile is the least disturbed estimate
         q = [float(np.percentile(t, 25)) for t in times]
         return q[1] / q[0]
     finally:
-        for r in runners:
-            r.close()
+        for ctx in ctxs:
+            ctx.close()
 
 
 MEMORY_BOUND_FORMULA = (

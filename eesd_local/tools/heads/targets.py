@@ -162,8 +162,8 @@ def soft_targets(model_path: Path, hard: Path, out: Path, pick: set[int], *, k: 
     for p in paths:
         with np.load(p) as z:
             longest = max(longest, int(np.diff(z["offsets"]).max()))
-    runner = teacher.LlamaRunner(model_path, n_parallel=1, n_ctx_per_seq=longest + 8, threads=threads)
-    n_batch = runner.n_batch
+    ctx = teacher.open_context(model_path, n_parallel=1, n_ctx_per_seq=longest + 8, threads=threads)
+    n_batch = ctx.n_batch
     rows = done = seq_no = same = 0
     t0 = time.time()
     try:
@@ -177,13 +177,13 @@ def soft_targets(model_path: Path, hard: Path, out: Path, pick: set[int], *, k: 
             for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
                 a, b, n = int(a), int(b), int(n_prompt[i])
                 if seq_no in pick and b - a > n:
-                    runner.clear_seq(0)
+                    ctx.clear_seq(0)
                     first, last = n - 1, b - a - 2  # rows that predict an answer token
                     got = []
                     for c in range(0, b - a - 1, n_batch):
                         pos = range(c, min(c + n_batch, b - a - 1))
                         want = [first <= j <= last for j in pos]
-                        logits = runner.decode([(int(tokens[a + j]), j, 0) for j in pos], want)
+                        logits = ctx.decode_rows([(int(tokens[a + j]), j, 0, w) for j, w in zip(pos, want)])
                         if any(want):
                             got.append(teacher.topk_rows(np.array(logits), k))
                     ids[a + first : a + last + 1] = np.concatenate([g[0] for g in got])
@@ -203,7 +203,7 @@ def soft_targets(model_path: Path, hard: Path, out: Path, pick: set[int], *, k: 
                 if not link.exists():
                     link.symlink_to(trunk.resolve())
     finally:
-        runner.close()
+        ctx.close()
     # same: rows whose teacher-forced argmax is the corpus' answer token (greedy generation in a batch of
     # 48 vs one prefill: they differ only where the two best logits tie within the batch noise)
     return {"sequences": done, "rows": rows, "seconds": round(time.time() - t0, 1), "k": k,

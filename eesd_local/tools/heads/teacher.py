@@ -14,14 +14,12 @@ distribution for token j+1 of its sequence (the last row of a sequence is paddin
 
 from __future__ import annotations
 
-import ctypes
 import signal
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import llama_cpp as L
 import numpy as np
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
@@ -95,98 +93,18 @@ def chat_formatter(model_path: Path) -> Callable[[list[dict]], str]:
     return render
 
 
-class LlamaRunner:
-    """A llama.cpp model + context for n parallel sequences with logits at every position."""
-
-    def __init__(self, model_path: Path, *, n_parallel: int, n_ctx_per_seq: int, threads: int, n_batch: int = 512):
-        runtime.setup_process()  # llama.cpp's model defaults made safe on AMX CPUs (and malloc tuned)
-        self.L = L
-        L.llama_backend_init()
-        quiet_logs(L)
-        mparams = L.llama_model_default_params()
-        self.model = L.llama_model_load_from_file(str(model_path).encode(), mparams)
-        if not self.model:
-            raise EesdError(f"llama.cpp could not load {model_path}")
-        cparams = L.llama_context_default_params()
-        cparams.n_ctx = n_parallel * n_ctx_per_seq
-        cparams.n_batch = n_batch
-        cparams.n_ubatch = n_batch
-        cparams.n_seq_max = n_parallel
-        cparams.n_outputs_max_per_seq = 0
-        cparams.n_threads = threads
-        cparams.n_threads_batch = threads
-        cparams.kv_unified = True
-        self.ctx = L.llama_init_from_model(self.model, cparams)
-        if not self.ctx:
-            raise EesdError(f"llama.cpp could not create a context for {model_path}")
-        self.vocab = L.llama_model_get_vocab(self.model)
-        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
-        self.mem = L.llama_get_memory(self.ctx)
-        self.n_batch = n_batch
-        self.batch = L.llama_batch_init(n_batch, 0, n_parallel)
-
-    def tokenize(self, text: str, *, special: bool = True) -> list[int]:
-        data = text.encode("utf-8")
-        buf = (self.L.llama_token * (len(data) + 16))()
-        n = self.L.llama_tokenize(self.vocab, data, len(data), buf, len(buf), False, special)
-        if n < 0:
-            raise EesdError("tokenization failed")
-        return list(buf[:n])
-
-    def is_eog(self, token: int) -> bool:
-        return bool(self.L.llama_vocab_is_eog(self.vocab, token))
-
-    def decode(self, entries: list[tuple[int, int, int]], outputs: list[bool] | None = None) -> np.ndarray:
-        """Decode (token, pos, seq) entries, all with logits (or those ``outputs`` marks); return the logits
-        [rows with logits, vocab] in the entries' order (a view)."""
-        b = self.batch
-        for i, (tok, pos, seq) in enumerate(entries):
-            b.token[i] = tok
-            b.pos[i] = pos
-            b.n_seq_id[i] = 1
-            b.seq_id[i][0] = seq
-            b.logits[i] = 1 if outputs is None or outputs[i] else 0
-        b.n_tokens = len(entries)
-        n_out = len(entries) if outputs is None else sum(map(bool, outputs))
-        rc = self.L.llama_decode(self.ctx, b)
-        if rc != 0:
-            raise RuntimeError(f"llama_decode returned {rc}")
-        ptr = self.L.llama_get_logits(self.ctx)
-        return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(n_out, self.n_vocab))
-
-    def clear_seq(self, seq: int) -> None:
-        self.L.llama_memory_seq_rm(self.mem, seq, -1, -1)
-
-    def close(self) -> None:
-        """Free the batch, the context and the model, each once: a handle leaves the object before it is
-        freed (dict.pop, one C call), so a Ctrl-C landing in between never leads to a second free."""
-        L = self.L
-        handles = vars(self)
-        batch, ctx, model = handles.pop("batch", None), handles.pop("ctx", None), handles.pop("model", None)
-        if batch is not None:
-            L.llama_batch_free(batch)
-        if ctx:
-            L.llama_free(ctx)
-        if model:
-            L.llama_model_free(model)
-
-
-_LOG_CB = None
-
-
-def quiet_logs(L) -> None:
-    """Silence llama.cpp's INFO chatter (errors still print)."""
-    global _LOG_CB
-    if _LOG_CB is None:
-
-        @L.llama_log_callback
-        def _cb(level, text, user_data):  # noqa: ARG001
-            if level >= 4 or level == 1:  # GGML_LOG_LEVEL_ERROR
-                return
-            # keep quiet: only errors (level 4) would be useful; ggml prints them to stderr itself
-
-        _LOG_CB = _cb
-    L.llama_log_set(_LOG_CB, ctypes.c_void_p())
+def open_context(model_path: Path, *, n_parallel: int, n_ctx_per_seq: int, threads: int, n_batch: int = 512,
+                 kv_unified: bool = True) -> runtime.Context:
+    """The model at ``model_path`` in a llama.cpp context of ``n_parallel`` sequences of ``n_ctx_per_seq``
+    tokens each (``kv_unified``: in one KV buffer, else a stream each), with llama.cpp's own choice of GPU
+    layers and flash attention. Closing the context frees the model (``ctx.model``) too."""
+    model = runtime.Model(model_path, n_gpu_layers=-1)  # -1: llama.cpp's default, every layer on a GPU if there is one
+    try:
+        params = runtime.ContextParams(n_ctx=n_parallel * n_ctx_per_seq, n_batch=n_batch, n_threads=threads,
+                                       flash_attn=None, n_seq_max=n_parallel, kv_unified=kv_unified)
+        return runtime.Context(model, params)
+    finally:
+        model.close()  # at once if the context failed, else with the context
 
 
 def topk_rows(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -199,14 +117,14 @@ def topk_rows(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return idx.to(torch.int32).numpy(), (vals - lse).to(torch.float16).numpy()
 
 
-def _prepare(item: Item, runner: LlamaRunner, render, cfg: TeacherConfig) -> tuple[list[int], bool] | None:
+def _prepare(item: Item, model: runtime.Model, render, cfg: TeacherConfig) -> tuple[list[int], bool] | None:
     if item.messages:
         text = render([{"role": r, "content": c} for r, c in item.messages])
-        toks = runner.tokenize(text)
+        toks = model.tokenize(text, add_special=False)
         if len(toks) > cfg.max_prompt:
             return None
         return toks, True
-    toks = runner.tokenize(item.text, special=False)[: cfg.max_prompt + cfg.max_new]
+    toks = model.tokenize(item.text, add_special=False, parse_special=False)[: cfg.max_prompt + cfg.max_new]
     return (toks, False) if len(toks) >= 16 else None
 
 
@@ -237,9 +155,8 @@ def run_teacher(
         return on_disk
     shard_no = len(shard_paths(out_dir))
     render = chat_formatter(model_path)
-    runner = LlamaRunner(
-        model_path, n_parallel=cfg.n_parallel, n_ctx_per_seq=cfg.max_prompt + cfg.max_new + 8, threads=cfg.threads
-    )
+    ctx = open_context(model_path, n_parallel=cfg.n_parallel, n_ctx_per_seq=cfg.max_prompt + cfg.max_new + 8,
+                       threads=cfg.threads)
     pending: Iterator[Item] = (it for it in items if it.id not in skip)
     slots: list[_Slot | None] = [None] * cfg.n_parallel
     finished: list[_Slot] = []
@@ -278,27 +195,27 @@ def run_teacher(
                     if item is None:
                         exhausted = True
                         break
-                    prep = _prepare(item, runner, render, cfg)
+                    prep = _prepare(item, ctx.model, render, cfg)
                     if prep is not None:
                         slots[s] = _Slot(seq=s, item=item, tokens=prep[0], n_prompt=len(prep[0]), generate=prep[1])
             active = [sl for sl in slots if sl is not None]
             if not active or stop["flag"]:  # interrupted: keep the finished sequences, drop partial ones
                 break
-            entries: list[tuple[int, int, int]] = []
+            entries: list[tuple[int, int, int, bool]] = []  # (token, position, sequence, logits): every row
             owners: list[tuple[_Slot, int]] = []
-            room = runner.n_batch
+            room = ctx.n_batch
             for sl in active:  # generating slots first: one token each
                 if sl.fed >= sl.n_prompt and sl.fed < len(sl.tokens):
-                    entries.append((sl.tokens[sl.fed], sl.fed, sl.seq))
+                    entries.append((sl.tokens[sl.fed], sl.fed, sl.seq, True))
                     owners.append((sl, 1))
                     room -= 1
             for sl in active:  # then prompt chunks in the room left
                 if sl.fed < sl.n_prompt and room > 0:
                     n = min(cfg.prompt_chunk, sl.n_prompt - sl.fed, room)
-                    entries.extend((sl.tokens[sl.fed + j], sl.fed + j, sl.seq) for j in range(n))
+                    entries.extend((sl.tokens[sl.fed + j], sl.fed + j, sl.seq, True) for j in range(n))
                     owners.append((sl, n))
                     room -= n
-            logits = runner.decode(entries)
+            logits = ctx.decode_rows(entries)
             ids, logp = topk_rows(logits, cfg.top_k)
             row = 0
             for sl, n in owners:
@@ -312,11 +229,11 @@ def run_teacher(
                 if sl.generate:
                     nxt = int(ids[row - 1, 0])  # greedy: the teacher's argmax
                     sl.tokens.append(nxt)
-                    done = runner.is_eog(nxt) or len(sl.tokens) - sl.n_prompt >= cfg.max_new
+                    done = ctx.model.is_eog(nxt) or len(sl.tokens) - sl.n_prompt >= cfg.max_new
                 else:
                     done = True
                 if done:
-                    runner.clear_seq(sl.seq)
+                    ctx.clear_seq(sl.seq)
                     slots[sl.seq] = None
                     finished.append(sl)
                     made += len(sl.tokens)
@@ -329,7 +246,7 @@ def run_teacher(
     finally:
         signal.signal(signal.SIGINT, old)
         signal.signal(signal.SIGTERM, signal.SIG_DFL if old_term is None else old_term)
-        runner.close()
+        ctx.close()
     if raise_on_signal and stop["signum"]:
         raise interrupt_for(stop["signum"])
     return on_disk + made
