@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from eesd_local.base.defaults import MAX_TOKENS, SEED, TEMPERATURE, TOP_K, TOP_P
 from eesd_local.base.params import ParamError, check_sampling, show
 from eesd_local.speculative.engine import Engine, EngineConfig
 from eesd_local.speculative.events import FinishEvent, TokenEvent
@@ -26,8 +27,8 @@ class LLM(Engine):
     """An :class:`Engine` with OpenAI-shaped completions: a dict, or with ``stream=True`` an
     iterator of chunks; each carries ``usage`` and a ``speculation`` block."""
 
-    def create_completion(self, prompt: str | list[int], *, max_tokens: int = 256, temperature: float = 0.0,
-                          top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+    def create_completion(self, prompt: str | list[int], *, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE,
+                          top_p: float = TOP_P, top_k: int = TOP_K, seed: int | None = SEED,
                           stop: list[str] | str | None = None, stream: bool = False) -> Any:
         """A text completion of ``prompt``."""
         return completion(self, prompt, chat=False, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
@@ -86,8 +87,8 @@ def chat_template_note(engine: Engine) -> str | None:
                                                    "not tokens of its vocabulary"))
 
 
-def completion(engine: Engine, prompt: Any, *, chat: bool, max_tokens: int = 256, temperature: float = 0.0,
-               top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None,
+def completion(engine: Engine, prompt: Any, *, chat: bool, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE,
+               top_p: float = TOP_P, top_k: int = TOP_K, seed: int | None = SEED, stop: list[str] | str | None = None,
                stream: bool = False) -> Any:
     """``prompt`` (messages when ``chat``) completed as OpenAI's API does; bad arguments raise EesdError
     here, before any chunk. A chat's message text is tokenized as text (Engine.chat_tokens): only the

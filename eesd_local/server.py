@@ -41,6 +41,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from eesd_local.api import completion
+from eesd_local.base.defaults import SEED, SERVER_MAX_TOKENS, SERVER_TEMPERATURE, TOP_K, TOP_P
 from eesd_local.base.errors import EesdError
 from eesd_local.base.params import ParamError, check_int, check_optional_int, check_sampling, show
 from eesd_local.speculative.controllers import DEFAULT_CONTROLLER
@@ -96,10 +97,10 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: StrictStr | None = None
     max_tokens: Any = None
-    temperature: Any = 1.0  # OpenAI's default; 0 is greedy
-    top_p: Any = 1.0
-    top_k: Any = 0  # an extension: 0 is off
-    seed: Any = None
+    temperature: Any = SERVER_TEMPERATURE  # OpenAI's default (1); 0 is greedy
+    top_p: Any = TOP_P
+    top_k: Any = TOP_K  # an extension: 0 is off
+    seed: Any = SEED
     stop: Any = None
     n: Any = 1
     stream: StrictBool = False
@@ -562,7 +563,7 @@ def create_app(engine: Engine, *, model_id: str, aliases: tuple[str, ...] = (), 
                            hint="leave stream_options out or set stream to true")
         try:  # checked here, before the request queues: a bad number never waits for the engine
             # OpenAI's defaults: 16 tokens for a completion, the rest of the context for a chat
-            sampling = body.sampling(engine.ctx.n_ctx if chat else 16)
+            sampling = body.sampling(engine.ctx.n_ctx if chat else SERVER_MAX_TOKENS)
             if body.speculation is not None and body.speculation.draft_max is not None:
                 # a round verifies [last, d1..dk] in one batch of the target: a longer draft cannot run at all
                 n_batch = engine.ctx.n_batch

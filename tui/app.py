@@ -27,6 +27,7 @@ from textual.widgets import Footer, Header, Input, Static
 from eesd_chat.session import Answer, Conversation, PlainEstimate, Turn, default_transcript_path, merge_stats, save_transcript
 from eesd_chat.widgets import AnswerView, SpeculationPanel, UserView
 from eesd_local.base.claim import CLAIM
+from eesd_local.base.defaults import CHAT_MAX_TOKENS, TEMPERATURE, TOP_P
 from eesd_local.base.errors import EesdError
 from eesd_local.base.interrupts import keep_interrupts
 from eesd_local.base.params import check_sampling
@@ -50,9 +51,9 @@ WELCOME = (
 class ChatOptions:
     model_name: str = ""  # shown in the header (default: the model file's name)
     system: str | None = None  # system message of every conversation
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    max_tokens: int = 1024  # per answer
+    temperature: float = TEMPERATURE  # 0 = greedy
+    top_p: float = TOP_P
+    max_tokens: int = CHAT_MAX_TOKENS  # per answer
     timings: bool = True  # False hides wall-clock figures (deterministic screens for snapshot tests)
 
 
@@ -415,10 +416,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog=CLAIM)
     add_engine_args(p, positional_model=True)
     p.set_defaults(cache_reuse="conversation")  # a chat goes on from its own turns: reuse them (engine.EngineConfig)
-    p.add_argument("--temperature", "--temp", dest="temperature", type=float, default=0.0, help="temperature (0 = greedy, the default)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    p.add_argument("--temperature", "--temp", dest="temperature", type=float, default=TEMPERATURE,
+                   help="temperature (0 = greedy, the default)")
+    p.add_argument("--top-p", type=float, default=TOP_P, help="nucleus sampling mass (1: off)")
     p.add_argument("--system", help="system message")
-    p.add_argument("--max-tokens", type=int, default=1024, help="most tokens per answer (default 1024)")
+    p.add_argument("--max-tokens", type=int, default=CHAT_MAX_TOKENS, help="most tokens per answer (default %(default)s)")
     return p
 
 

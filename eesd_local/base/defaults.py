@@ -10,3 +10,17 @@ BATCH_MS = 50.0
 # prefill computes, so reusing it cannot change an answer (prefill speed on a 2-core CPU: the
 # same as in chunks of 512 within noise, BENCHMARKS.md)
 PREFILL_CHUNK = 64
+
+# Sampling: what a request gets for an option it leaves out. Engine.generate, the API (LLM, completion),
+# params.check_sampling, `eesd generate`/`run`, eesd-chat and the bench read these; the server differs
+# only where OpenAI's API says otherwise (SERVER_*).
+MAX_TOKENS = 256  # most tokens generated per request
+TEMPERATURE = 0.0  # 0: greedy (argmax), where speculation is exact
+TOP_K = 0  # 0: off
+TOP_P = 1.0  # 1: off
+SEED: int | None = None  # None: a random seed per request
+CHAT_MAX_TOKENS = 1024  # eesd-chat: most tokens per answer
+BENCH_MAX_TOKENS = 128  # eesd bench: tokens generated per prompt (per turn)
+BENCH_SEED = 0  # eesd bench: the base seed of sampled runs, so that a bench is repeatable
+SERVER_TEMPERATURE = 1.0  # OpenAI's default for a request that names no temperature
+SERVER_MAX_TOKENS = 16  # OpenAI's default for a /v1/completions request without max_tokens (a chat gets the context)

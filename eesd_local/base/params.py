@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from eesd_local.base.defaults import MAX_TOKENS, SEED, TEMPERATURE, TOP_K, TOP_P
 from eesd_local.base.errors import EesdError
 
 INT32_MAX = 2**31 - 1  # llama.cpp's and the native loop's int: token counts, top_k, context sizes
@@ -114,8 +115,8 @@ class Sampling:
     stop: list[str]
 
 
-def check_sampling(*, max_tokens: Any = 256, temperature: Any = 0.0, top_p: Any = 1.0, top_k: Any = 0, seed: Any = None,
-                   stop: Any = None) -> Sampling:
+def check_sampling(*, max_tokens: Any = MAX_TOKENS, temperature: Any = TEMPERATURE, top_p: Any = TOP_P, top_k: Any = TOP_K,
+                   seed: Any = SEED, stop: Any = None) -> Sampling:
     """Every sampling option checked in one place; raises ParamError naming the first bad one."""
     return Sampling(
         max_tokens=check_int("max_tokens", max_tokens, 1, hint="the most tokens to generate, e.g. 256"),

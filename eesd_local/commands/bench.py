@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from eesd_local.base.atomic import check_overwrite, write_text_atomic
-from eesd_local.base.defaults import DRAFT_MAX, N_CTX
+from eesd_local.base.defaults import BENCH_MAX_TOKENS, BENCH_SEED, DRAFT_MAX, N_CTX, TEMPERATURE, TOP_K, TOP_P
 from eesd_local.base.errors import EesdError
 from eesd_local.commands.models import pull_with_progress
 from eesd_local.commands.options import endpoints_arg
@@ -58,11 +58,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="prompts per category, evenly spaced over the set (default 20; 0: all)")
     p.add_argument("--methods", default="none,eesd,lookup", metavar="LIST", help=f"comma-separated: {METHOD_HELP} (default %(default)s)")
     p.add_argument("--controller", help="controller of the eesd/lookup/draft-model/hierarchical methods (default: the engine's)")
-    p.add_argument("--max-tokens", "-n", type=int, default=128, help="tokens generated per prompt (per turn; default 128)")
-    p.add_argument("--temperature", "--temp", type=float, default=0.0, help="temperature (default 0: greedy, where losslessness is checked)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0, help="base seed for sampling (default 0)")
+    p.add_argument("--max-tokens", "-n", type=int, default=BENCH_MAX_TOKENS,
+                   help="tokens generated per prompt (per turn; default %(default)s)")
+    p.add_argument("--temperature", "--temp", type=float, default=TEMPERATURE,
+                   help=f"temperature (default {TEMPERATURE:g}: greedy, where losslessness is checked)")
+    p.add_argument("--top-k", type=int, default=TOP_K)
+    p.add_argument("--top-p", type=float, default=TOP_P)
+    p.add_argument("--seed", type=int, default=BENCH_SEED, help="base seed for sampling (default %(default)s)")
     p.add_argument("--repeats", type=int, default=1, help="passes over the prompts (default 1)")
     p.add_argument("--warmup-tokens", type=int, default=16, help="tokens of one warm-up generation per method (default 16; 0: none)")
     p.add_argument("--draft-max", type=int, default=DRAFT_MAX, help="most tokens drafted per round (default %(default)s)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from eesd_local.base.defaults import MAX_TOKENS, SEED, TEMPERATURE, TOP_K, TOP_P
 from eesd_local.base.errors import EesdError
 from eesd_local.commands.models import pull_with_progress
 from eesd_local.llama.catalog import DEFAULT_MODEL, known_models
@@ -80,14 +81,14 @@ def endpoints_arg(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(exc.message) from None
 
 
-def add_sampling_args(p: argparse.ArgumentParser, *, max_tokens: int = 256) -> None:
-    """Sampling flags, named after :meth:`Engine.generate`'s arguments."""
+def add_sampling_args(p: argparse.ArgumentParser, *, max_tokens: int = MAX_TOKENS) -> None:
+    """Sampling flags, named after :meth:`Engine.generate`'s arguments, with the defaults of base.defaults."""
     p.add_argument("--max-tokens", "-n", type=int, default=max_tokens, help="most tokens generated (default %(default)s)")
-    p.add_argument("--temperature", "--temp", dest="temperature", type=float, default=0.0,
+    p.add_argument("--temperature", "--temp", dest="temperature", type=float, default=TEMPERATURE,
                    help="temperature (0 = greedy, the default)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    p.add_argument("--top-k", type=int, default=TOP_K, help="keep the k most likely tokens (0: off)")
+    p.add_argument("--top-p", type=float, default=TOP_P, help="nucleus sampling mass (1: off)")
+    p.add_argument("--seed", type=int, default=SEED, help="sampling seed (default: random)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

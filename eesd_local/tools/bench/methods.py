@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from llama_cpp import Llama, llama_model_size
 from llama_cpp.llama_speculative import LlamaDraftModel, LlamaPromptLookupDecoding
 
+from eesd_local.base.defaults import BENCH_MAX_TOKENS, SEED, TEMPERATURE, TOP_K, TOP_P
 from eesd_local.base.errors import EesdError
 from eesd_local.gguf.reader import bytes_read_per_token
 from eesd_local.llama.catalog import registry_name_for
@@ -144,11 +145,11 @@ class Turn:
 
 @dataclass(frozen=True)
 class Sampling:
-    max_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
+    max_tokens: int = BENCH_MAX_TOKENS
+    temperature: float = TEMPERATURE
+    top_k: int = TOP_K
+    top_p: float = TOP_P
+    seed: int | None = SEED
 
 
 class Method(Protocol):

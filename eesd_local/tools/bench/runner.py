@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eesd_local.base.defaults import DRAFT_MAX
+from eesd_local.base.defaults import BENCH_MAX_TOKENS, BENCH_SEED, DRAFT_MAX, TEMPERATURE, TOP_K, TOP_P
 from eesd_local.base.errors import EesdError
 from eesd_local.llama.runtime import Context, ContextParams, Model, default_threads
 from eesd_local.speculative import lossless
@@ -61,11 +61,11 @@ class BenchConfig:
     methods: str = "none,eesd,lookup"
     categories: list[str] | None = None
     n_prompts: int = 20  # per category, evenly spaced over the set; 0: all
-    max_tokens: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
+    max_tokens: int = BENCH_MAX_TOKENS
+    temperature: float = TEMPERATURE
+    top_k: int = TOP_K
+    top_p: float = TOP_P
+    seed: int = BENCH_SEED
     repeats: int = 1
     warmup_tokens: int = 16  # one generation per method before measuring; 0: none
     head: str | None = None
