@@ -289,12 +289,12 @@ def test_a_new_request_probes_before_it_drafts_long():
     requests, so a few rounds of the new one move it; the machine's costs are kept."""
     ctrl = make_controller("cost-ts", sources=2, seed=5)
     play_sources(ctrl, 200, lookup_offer=1.0, lookup_accept=0.95, model_accept=0.3, model_cost=0.35, verify_slope=0.45)
-    lookup = ctrl.state[L.MULTI_HEAD : L.MULTI_HEAD + int(L.thompson_size(ctrl.max_draft))]
-    costs = lookup[L.vc0(ctrl.max_draft) : L.ve0(ctrl.max_draft)].copy()
+    lookup = ctrl.fields["src"][L.SRC_LOOKUP]
+    costs = lookup["verify"].copy()
     ctrl.begin_request()
-    a, b = lookup[L.POS0], lookup[L.POS0 + 1]
+    a, b = lookup["pos"][0]["alpha"], lookup["pos"][0]["beta"]
     assert a + b <= 2.0 + 4.0 + 1e-9 and a / (a + b) > 0.7  # thinned to a few observations, same side
-    assert np.array_equal(lookup[L.vc0(ctrl.max_draft) : L.ve0(ctrl.max_draft)], costs)
+    assert np.array_equal(lookup["verify"], costs)
     first = play_sources(ctrl, 2, lookup_offer=1.0, lookup_accept=0.0, model_accept=0.3, model_cost=0.35, verify_slope=0.45)
     assert [k for _, k in first] == [1, 1], "a new request drafts long before it saw any of its own rounds"
     later = play_sources(ctrl, 30, lookup_offer=1.0, lookup_accept=0.0, model_accept=0.3, model_cost=0.35, verify_slope=0.45,
@@ -374,3 +374,71 @@ def test_a_model_source_resumes_after_another_source_drafted_for_a_while():
         auto = run("auto", SOURCE_PROCESSES["prose"], PROFILES["gpu-d0.1"], seed=seed)["tokens_per_token_time"]
         assert model >= 1.15, (seed, model)
         assert auto >= 0.97 * model, (seed, auto, model)
+
+
+# --- the state's layout ------------------------------------------------------------------
+
+
+def _tiles(record, k: int, n_src: int = 0) -> None:
+    """The record's fields cover 0..size exactly once, in order: no overlap, no gap."""
+    at = 0
+    for name, offset, width in record.spans(k, n_src):
+        assert offset == at, (record, k, name, offset, at)
+        assert width >= 0, (record, k, name)
+        at += width
+    assert at == record.size(k, n_src) == record.dtype(k, n_src).itemsize // 8
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 8, 16])
+def test_the_fields_tile_the_state(k):
+    for record in (L.HEADER, L.BASELINE_STATE, L.THOMPSON_STATE, L.TRIPLE, L.VERIFY_PAIR):
+        _tiles(record, k)
+    for n_src in range(1, L.MAX_SRC + 1):
+        _tiles(L.MULTI_STATE, k, n_src)
+    # every kind's record starts with the header, at the same offsets
+    header = L.HEADER.spans(k)
+    for record in (L.BASELINE_STATE, L.THOMPSON_STATE, L.MULTI_STATE):
+        assert record.spans(k, 1)[: len(header)] == header
+    # the kernels' offsets are the same numbers: a field's offset, and a K-sized one's at this k
+    for record, offsets in ((L.THOMPSON_STATE, L.TS), (L.MULTI_STATE, L.MS), (L.BASELINE_STATE, L.BS), (L.HEADER, L.HD)):
+        for name, offset, _ in record.spans(k, 1):
+            o = getattr(offsets, name)
+            assert (L.at(o, k) if isinstance(o, L.Lin) else o) == offset, (record, name)
+    assert L.at(L.TS.size, k) == L.THOMPSON_STATE.size(k)
+    # a multi-source state's sources sit where its src_ofs says, each a whole Thompson state
+    ctrl = make_controller("cost-ts", max_draft=k, sources=2, seed=3)
+    assert ctrl.state.size == L.MULTI_STATE.size(k, 2)
+    for s in range(2):
+        assert ctrl.fields["src_ofs"][s] == L.source_offset(k, s)
+        sub = L.source_state(ctrl.state, s)
+        assert sub.size == L.THOMPSON_STATE.size(k) and sub[L.TS.kind] == L.THOMPSON
+
+
+def test_the_loop_reads_header_fields_by_name():
+    slots = L.loop_slots()
+    assert set(slots) == {"offer_n", "offer_conf", "behind", "source", "t_catchup", "offer_match", "no_bonus"}
+    header = {name: offset for name, offset, _ in L.HEADER.spans(1)}
+    for name, offset in slots.items():
+        assert header[name] == offset  # a header field: the same offset in every kind of state
+    ctrl = make_controller("cost-ts", sources=2)
+    ctrl.begin_round(offer=3, confidence=0.5, behind=7, match=2)
+    f = ctrl.fields
+    assert (f["offer_n"], f["offer_conf"], f["behind"], f["offer_match"]) == (3, 0.5, 7, 2)
+    assert ctrl.state[slots["source"]] == f["source"] == ctrl.source()
+
+
+def test_fields_by_name_are_the_kernels_fields():
+    """Python's named view and the kernels' offsets address the same numbers."""
+    ctrl = make_controller("cost-ts", max_draft=5, seed=1)
+    play(ctrl, 40)
+    f, s, k = ctrl.fields, ctrl.state, ctrl.max_draft
+    assert f["pooled"]["alpha"] == s[L.HD.pooled + L.BP.alpha] and f["pooled"]["beta"] == s[L.HD.pooled + L.BP.beta]
+    for i in range(k):
+        for name in ("alpha", "beta", "predicted"):
+            assert f["pos"][i][name] == s[L.TS.pos + L.TR.size * i + getattr(L.TR, name)]
+    for b in range(k + 1):
+        assert f["verify"][b]["count"] == s[L.at(L.TS.verify, k) + L.VP.size * b + L.VP.count]
+        assert f["estimate"][b] == s[L.at(L.TS.estimate, k) + b]
+    assert list(f["chance"]) == list(s[L.at(L.TS.chance, k) : L.at(L.TS.gate_chance, k)])
+    f["eps"] = 0.25  # a view: writing a field writes the state
+    assert s[L.TS.eps] == 0.25

@@ -11,7 +11,6 @@ import eesd_local
 from eesd_local.gguf.tiny import write_tiny_gguf
 from eesd_local.llama import costs
 from eesd_local.llama.runtime import default_threads
-from eesd_local.speculative.controllers import layout as L
 from eesd_local.speculative.controllers.thompson import PROFILE_COSTS
 from eesd_local.speculative.drafters import AutoDrafter, LookupDrafter
 from eesd_local.tools import heads
@@ -182,16 +181,15 @@ def test_the_engine_plans_from_the_kept_profile(tmp_path, isolated_home):
     batch of nine as this machine does, not as the largest batch it happened to time."""
     path = write_tiny_gguf(tmp_path / "tiny.gguf", seed=0)
     with eesd_local.load(str(path), drafter="lookup", n_ctx=512) as eng:
-        assert eng.controller.state[L.BATCH_COSTS] != PROFILE_COSTS  # nothing kept yet: timed online
+        assert eng.controller.fields["batch_costs"] != PROFILE_COSTS  # nothing kept yet: timed online
     bk = {k: 1.0 + 0.7 * (k - 1) for k in costs.KS}
     costs.keep(path, 4.0, bk, n_threads=default_threads(), repeats=3)
     with eesd_local.load(str(path), drafter="lookup", n_ctx=512) as eng:
-        st = eng.controller.state
-        assert st[L.BATCH_COSTS] == PROFILE_COSTS
+        assert eng.controller.fields["batch_costs"] == PROFILE_COSTS
         est = eng.controller.state_dict()["verify_estimate"]
         assert est[0] == pytest.approx(0.004) and est[8] / est[0] == pytest.approx(bk[9])
         list(eng.generate(list(range(300, 340)) * 2, max_tokens=40))
         est = eng.controller.state_dict()["verify_estimate"]
         assert est[8] / est[0] == pytest.approx(bk[9])  # the ratios stay the profile's
     with eesd_local.load(str(path), drafter="none", n_ctx=512) as eng:  # plain decoding plans nothing
-        assert eng.controller.state[L.BATCH_COSTS] != PROFILE_COSTS
+        assert eng.controller.fields["batch_costs"] != PROFILE_COSTS

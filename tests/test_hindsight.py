@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from numpy.lib.recfunctions import structured_to_unstructured
 
 import eesd_local
 from eesd_local.gguf.tiny import write_tiny_gguf
@@ -43,11 +44,15 @@ def _drafted(ctl, offer: int, match: int) -> int:
     return k
 
 
-def _lookup_state(ctl) -> np.ndarray:
-    if ctl.state[L.KIND] == L.MULTI:
-        size = int(L.thompson_size(ctl.max_draft))
-        return ctl.state[L.MULTI_HEAD : L.MULTI_HEAD + size]
-    return ctl.state
+def _lookup_state(ctl):
+    """The fields of the Thompson state that learns lookup's offers (a multi-source state's lookup source)."""
+    f = ctl.fields
+    return f["src"][L.SRC_LOOKUP] if f["kind"] == L.MULTI else f
+
+
+def _classes(st) -> np.ndarray:
+    """The match classes (alpha, beta, predicted) and the request's ratio for long matches (the first position's)."""
+    return structured_to_unstructured(np.concatenate([st["bins"], st["pos"][:1]]))
 
 
 def test_lookup_reports_how_far_the_match_goes():
@@ -95,16 +100,15 @@ def test_the_request_ratio_moves_long_matches_only():
     ctl = make_controller("cost-ts", seed=1)
     ctl.learn_in_hindsight(True)
     _teach_costs(ctl, slope=0.6)  # a batch of two costs 1.6 tokens
-    s = ctl.state
-    th = L.th0(ctl.max_draft)
+    s = ctl.fields
 
     def planned(match: int) -> float:  # what the plan counts on for the first token of an offer
         ctl.begin_round(8, 0.8, 0, match)
-        return float(s[th])
+        return float(s["chance"][0])
 
     def mean(match: int) -> float:
-        at = L.BIN0 + L.BIN_WIDTH * match_class(match)
-        return float(s[at] / (s[at] + s[at + 1]))
+        b = s["bins"][match_class(match)]
+        return float(b["alpha"] / (b["alpha"] + b["beta"]))
 
     for _ in range(200):  # earlier requests: copies, offers after long matches run on
         ctl.hindsight(REQUEST_MATCH + 1, 8, 8)
@@ -119,7 +123,7 @@ def test_the_request_ratio_moves_long_matches_only():
     assert planned(long) < mean(long) - 0.2  # a class this request never offered at, scaled down
     assert _drafted(ctl, 8, long) == 0
     ctl.begin_request()
-    assert s[L.POS0] == s[L.POS0 + 1] == s[L.POS0 + 2]  # ratio 1 again
+    assert s["pos"][0]["alpha"] == s["pos"][0]["beta"] == s["pos"][0]["predicted"]  # ratio 1 again
     assert planned(long) == pytest.approx(mean(long))
 
 
@@ -212,16 +216,16 @@ def test_learned_by_match_length_and_planned_from_it():
     for _ in range(100):
         ctl.hindsight(2, 8, 0)
         ctl.hindsight(9, 8, 8)
-    s = ctl.state
-    mean = lambda c: s[L.BIN0 + L.BIN_WIDTH * c] / (s[L.BIN0 + L.BIN_WIDTH * c] + s[L.BIN0 + L.BIN_WIDTH * c + 1])  # noqa: E731
+    bins = ctl.fields["bins"]
+    mean = lambda c: bins["alpha"][c] / (bins["alpha"][c] + bins["beta"][c])  # noqa: E731
     assert mean(match_class(2)) < 0.05 and mean(match_class(9)) > 0.95 and mean(match_class(16)) > 0.95
     assert mean(match_class(3)) == pytest.approx(match_prior_mean(2))  # never observed: still the prior
     assert _drafted(ctl, 8, 2) == 0
     assert _drafted(ctl, 8, 9) == 8
     # drafts teach timing only: the match classes move with offers, not with what the round drafted
-    before = s[L.BIN0 : L.POS0].copy()
+    before = bins.copy()
     _drafted(ctl, 8, 9)
-    assert np.array_equal(s[L.BIN0 : L.POS0], before)
+    assert np.array_equal(bins, before)
 
 
 def test_batch_costs_measured_on_a_busy_machine_do_not_stop_drafting_once_it_is_quiet():
@@ -251,32 +255,31 @@ def test_a_new_request_keeps_a_few_observations_per_match_length():
     for _ in range(300):
         ctl.hindsight(4, 8, 8)
     ctl.begin_request()
-    s = ctl.state
-    at = L.BIN0 + L.BIN_WIDTH * match_class(4)
-    assert s[at] + s[at + 1] <= MATCH_PRIOR + MATCH_REQUEST_EVIDENCE + 1e-9
-    assert s[at] / (s[at] + s[at + 1]) > 0.9  # thinned around the same mean
+    b = ctl.fields["bins"][match_class(4)]
+    assert b["alpha"] + b["beta"] <= MATCH_PRIOR + MATCH_REQUEST_EVIDENCE + 1e-9
+    assert b["alpha"] / (b["alpha"] + b["beta"]) > 0.9  # thinned around the same mean
     # the new request's own offers move it within a few tens of rounds (each is free)
     for _ in range(20):
         ctl.hindsight(4, 8, 0)
-    assert s[at] / (s[at] + s[at + 1]) < 0.5
+    assert b["alpha"] / (b["alpha"] + b["beta"]) < 0.5
 
 
 def test_who_learns_in_hindsight():
     fresh = make_controller("cost-ts")
     ctl = make_controller("cost-ts")
-    assert ctl.learn_in_hindsight(True) and ctl.state[L.HINDSIGHT] == 1.0
-    assert not ctl.learn_in_hindsight(False) and ctl.state[L.HINDSIGHT] == 0.0
-    assert np.array_equal(ctl.state[L.BIN0 : L.POS0], fresh.state[L.BIN0 : L.POS0])  # the confidence bins' prior again
+    assert ctl.learn_in_hindsight(True) and ctl.fields["hindsight"] == 1.0
+    assert not ctl.learn_in_hindsight(False) and ctl.fields["hindsight"] == 0.0
+    assert np.array_equal(ctl.fields["bins"], fresh.fields["bins"])  # the confidence bins' prior again
     for spec in ("fixed:3", "pmin:0.6", "heuristic", "beta-ts", "beta-ts:paper", "cost-ts:no-hindsight"):
         assert not make_controller(spec).learn_in_hindsight(True), spec
     multi = make_controller("cost-ts", sources=2)
-    assert multi.learn_in_hindsight(True) and _lookup_state(multi)[L.HINDSIGHT] == 1.0
+    assert multi.learn_in_hindsight(True) and _lookup_state(multi)["hindsight"] == 1.0
     multi.hindsight(3, 8, 8)
-    assert _lookup_state(multi)[L.REQ_SEEN] > 1e8  # no request began: the warm-up count is not in use yet
+    assert _lookup_state(multi)["req_seen"] > 1e8  # no request began: the warm-up count is not in use yet
     nope = make_controller("cost-ts:no-hindsight", sources=2)
-    assert not nope.learn_in_hindsight(True) and _lookup_state(nope)[L.HINDSIGHT] == 0.0
+    assert not nope.learn_in_hindsight(True) and _lookup_state(nope)["hindsight"] == 0.0
     nope.hindsight(3, 8, 8)  # a no-op where it is off
-    assert np.array_equal(_lookup_state(nope)[L.BIN0 : L.POS0], _lookup_state(make_controller("cost-ts", sources=2))[L.BIN0 : L.POS0])
+    assert np.array_equal(_lookup_state(nope)["bins"], _lookup_state(make_controller("cost-ts", sources=2))["bins"])
 
 
 # --- both round loops ------------------------------------------------------------------
@@ -297,14 +300,14 @@ def test_both_loops_report_the_same_offers(tiny, drafter, monkeypatch):
     for native in ("0", "1"):
         monkeypatch.setenv("EESD_NATIVE", native)
         with eesd_local.load(tiny, drafter=drafter, n_ctx=2048) as eng:
-            _lookup_state(eng.controller)[L.EMA_T_DRAFT] = 1e3
+            _lookup_state(eng.controller)["ema_t_draft"] = 1e3
             evs = list(eng.generate(list(range(300, 340)) * 3, max_tokens=150))
             assert eng.loop_note.startswith("round loop: native" if native == "1" else "round loop: Python")
             assert sum(e.drafted for e in evs if isinstance(e, RoundEvent)) == 0
             st = _lookup_state(eng.controller)
-            assert st[L.HINDSIGHT] == 1.0
-            # the match classes and the request's ratio for long matches (the POS0 triple)
-            states[native] = (st[L.BIN0 : L.POS0 + 3].copy(), float(st[L.REQ_SEEN]),
+            assert st["hindsight"] == 1.0
+            # the match classes and the request's ratio for long matches (the first position's triple)
+            states[native] = (_classes(st), float(st["req_seen"]),
                               [e.token for e in evs if isinstance(e, TokenEvent)])
     (b0, n0, t0), (b1, n1, t1) = states["0"], states["1"]
     assert t0 == t1

@@ -20,7 +20,6 @@ from eesd_local.llama import costs
 from eesd_local.llama import native as native_ext
 from eesd_local.llama.runtime import Context, ContextParams, Model
 from eesd_local.speculative import native_round
-from eesd_local.speculative.controllers import layout
 from eesd_local.speculative.controllers.cfuncs import addresses
 from eesd_local.speculative.events import FinishEvent, RoundEvent, TokenEvent
 from eesd_local.speculative.rounds import round_limit
@@ -106,7 +105,7 @@ def test_probe_rounds_native_equals_python_and_plain(name, k, monkeypatch):
     the same tokens in both loops, greedy output equal to plain decoding, rounds that end on a draft."""
     spec = dict(DRAFTERS[name], controller=f"fixed:{k}")
     with eesd_local.load(QWEN05, n_ctx=1024, **spec) as eng:
-        eng.controller.state[layout.NO_BONUS] = 1.0  # fixed controllers never reset it
+        eng.controller.fields["no_bonus"] = 1.0  # fixed controllers never reset it
         prompt = eng.tokenize(eng.apply_chat_template(MESSAGES[0]))
         py = _events(eng, prompt, monkeypatch, False, max_tokens=24)
         nat = _events(eng, prompt, monkeypatch, True, max_tokens=24)

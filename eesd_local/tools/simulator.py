@@ -28,7 +28,7 @@ from eesd_local.base.defaults import DRAFT_MAX
 from eesd_local.speculative.controllers import make_controller
 from eesd_local.speculative.controllers.jitcache import kernel
 from eesd_local.speculative.controllers.kernels import controller_begin, controller_decide, controller_update
-from eesd_local.speculative.controllers.layout import MAX_DRAFT, NO_BONUS
+from eesd_local.speculative.controllers.layout import HD
 from eesd_local.speculative.controllers.rng import beta, normal, seed_words, uniform
 
 IID, DECAY, CONF, SWITCH = 1, 2, 3, 4
@@ -139,7 +139,7 @@ def _noisy(t, noise, rng):
 @kernel
 def run_rounds(ctrl, proc, verify, draft_cost, t_token, noise, n_rounds, rng, out):
     """Run n_rounds; out[r] = (expected tokens, seconds, drafted tokens) of round r."""
-    k_max = int(ctrl[MAX_DRAFT])
+    k_max = int(ctrl[HD.max_draft])
     confs = np.empty(k_max)
     probs = np.empty(k_max)
     for r in range(n_rounds):
@@ -155,7 +155,7 @@ def run_rounds(ctrl, proc, verify, draft_cost, t_token, noise, n_rounds, rng, ou
         while n_acc < k and uniform(rng, 0) < probs[n_acc]:
             n_acc += 1
         # a probe (no bonus) verifies d1..dk with the batch [last, d1..d(k-1)]: at most k tokens
-        n_verify = k if ctrl[NO_BONUS] != 0.0 and k > 0 else k + 1
+        n_verify = k if ctrl[HD.no_bonus] != 0.0 and k > 0 else k + 1
         expected = 1.0
         prefix = 1.0
         for i in range(n_verify - 1):

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+from numpy.lib import recfunctions
 
 from eesd_local.base.defaults import DRAFT_MAX
 from eesd_local.base.errors import EesdError
@@ -67,9 +69,22 @@ class Controller:
 
     def __init__(self, name: str, state: np.ndarray) -> None:
         self.name = name
-        self.max_draft = int(state[L.MAX_DRAFT])
+        self.max_draft = int(state[L.HD.max_draft])
         self.state = state
         self.hindsight_allowed = not name.endswith(":no-hindsight")
+
+    @property
+    def fields(self) -> Any:
+        """The state's fields by name (layout.fields: a view, writing a field writes the state)."""
+        return L.fields(self.state)
+
+    def _thompson_states(self) -> list[np.ndarray]:
+        """The Thompson states in this controller: its own, a multi-source state's one per source, or none."""
+        s = self.state
+        kind = s[L.HD.kind]
+        if kind == L.MULTI:
+            return [L.source_state(s, i) for i in range(int(s[L.MS.n_src]))]
+        return [s] if kind == L.THOMPSON else []
 
     def begin_request(self) -> None:
         """A new request: acceptance evidence from earlier ones is thinned (thompson.ts_new_request)."""
@@ -79,11 +94,10 @@ class Controller:
         """A first guess of what catching a draft model up costs per token, until it has been
         measured (the engine takes the target's prefill time per token times the draft's share of
         the weights): so the first probe of a model far behind is not taken as free."""
-        s = self.state
-        states = [_source_state(s, i) for i in range(int(s[L.N_SRC]))] if s[L.KIND] == L.MULTI else [s]
-        for st in states:
-            if st[L.KIND] == L.THOMPSON and st[L.N_RESUME] == 0.0 and seconds_per_token > 0.0:
-                st[L.RESUME] = seconds_per_token
+        for st in self._thompson_states():
+            f = L.fields(st)
+            if f["n_resume"] == 0.0 and seconds_per_token > 0.0:
+                f["resume"] = seconds_per_token
 
     def prime_costs(self, t1_s: float, ratios: Sequence[float], weight: float = PRIME_WEIGHT) -> bool:
         """Take what a verify batch costs from this machine's kept cost profile: t(1) in seconds and
@@ -98,20 +112,18 @@ class Controller:
         primed; returns whether any was."""
         if not (t1_s > 0.0 and math.isfinite(t1_s)) or len(ratios) < self.max_draft + 1:
             return False
-        s = self.state
-        states = [_source_state(s, i) for i in range(int(s[L.N_SRC]))] if s[L.KIND] == L.MULTI else [s]
         primed = False
-        for st in states:
-            if st[L.KIND] != L.THOMPSON or st[L.BATCH_COSTS] == 0.0:
+        for st in self._thompson_states():
+            f = L.fields(st)
+            if f["batch_costs"] == 0.0:
                 continue
-            k = int(st[L.MAX_DRAFT])
-            vc = L.vc0(k)
-            if any(st[vc + 2 * b + 1] > 0.0 for b in range(k + 1)):
+            k = int(f["max_draft"])
+            verify = f["verify"]  # per batch size 1..k+1
+            if (verify["count"] > 0.0).any():
                 continue
-            for b in range(k + 1):
-                st[vc + 2 * b] = t1_s if b == 0 else ratios[b]
-                st[vc + 2 * b + 1] = weight
-            st[L.BATCH_COSTS] = PROFILE_COSTS
+            verify["mean"] = [t1_s, *ratios[1 : k + 1]]
+            verify["count"] = weight
+            f["batch_costs"] = PROFILE_COSTS
             refresh_verify_estimates(st)
             primed = True
         return primed
@@ -121,17 +133,17 @@ class Controller:
         continuation) with this ``confidence`` (0: unknown) after a context that matches their source
         over ``match`` tokens, and ``behind``, the tokens a draft model would catch up on before drafting."""
         s = self.state
-        s[L.OFFER_N] = offer
-        s[L.OFFER_CONF] = confidence
-        s[L.OFFER_MATCH] = match
-        s[L.BEHIND] = behind
-        s[L.T_CATCHUP] = 0.0
+        s[L.HD.offer_n] = offer
+        s[L.HD.offer_conf] = confidence
+        s[L.HD.offer_match] = match
+        s[L.HD.behind] = behind
+        s[L.HD.t_catchup] = 0.0
         controller_begin(s)
 
     def source(self) -> int:
         """Which source drafts this round (L.SRC_LOOKUP, L.SRC_MODEL, L.SRC_NONE; L.SRC_ANY: the
         controller does not choose, the drafter takes its default)."""
-        return int(self.state[L.SOURCE])
+        return int(self.state[L.HD.source])
 
     def draft_more(self, step: int, confidence: float) -> bool:
         """Draft token number step+1? step = tokens drafted so far this round; confidence = the
@@ -140,7 +152,7 @@ class Controller:
 
     def no_bonus(self) -> bool:
         """Verify this round's drafts without the bonus token (a probe: the batch is [last, d1..d(k-1)])."""
-        return bool(self.state[L.NO_BONUS] != 0.0)
+        return bool(self.state[L.HD.no_bonus] != 0.0)
 
     def end_round(self, confidences: np.ndarray, n_accepted: int, t_draft: float, t_verify: float,
                   t_catchup: float = 0.0) -> None:
@@ -148,7 +160,7 @@ class Controller:
         seconds spent drafting this round (``t_catchup`` of them a draft model's catching up on
         tokens it missed), seconds of the target's decode of n_drafted+1 tokens."""
         confidences = np.ascontiguousarray(confidences, dtype=np.float64)
-        self.state[L.T_CATCHUP] = t_catchup
+        self.state[L.HD.t_catchup] = t_catchup
         controller_update(self.state, confidences, int(n_accepted), float(t_draft - t_catchup), float(t_verify))
 
     def learn_in_hindsight(self, on: bool = True) -> bool:
@@ -160,18 +172,20 @@ class Controller:
         s = self.state
         if not self.hindsight_allowed:
             return False
-        if s[L.KIND] == L.MULTI:
-            st = _source_state(s, L.SRC_LOOKUP)
-        elif s[L.KIND] == L.THOMPSON and s[L.RULE] == 0.0 and s[L.BATCH_COSTS] != 0.0:
+        f = L.fields(s)
+        if f["kind"] == L.MULTI:
+            st = L.source_state(s, L.SRC_LOOKUP)
+        elif f["kind"] == L.THOMPSON and f["rule"] == 0.0 and f["batch_costs"] != 0.0:
             st = s
         else:
             return False
-        if on and st[L.HINDSIGHT] == 0.0:
+        f = L.fields(st)
+        if on and f["hindsight"] == 0.0:
             ts_use_hindsight(st)
-        elif not on and st[L.HINDSIGHT] != 0.0:
-            st[L.HINDSIGHT] = 0.0
-            _bins_prior(st)
-            st[L.POS0 : L.POS0 + 3] = 1.0  # theta_1 at Beta(1, 1) again (in hindsight it held the request's ratio)
+        elif not on and f["hindsight"] != 0.0:
+            f["hindsight"] = 0.0
+            _bins_prior(f)
+            f["pos"][0] = (1.0, 1.0, 1.0)  # theta_1 at Beta(1, 1) again (in hindsight it held the request's ratio)
         return on
 
     def hindsight(self, match: int, n_offered: int, n_matched: int) -> None:
@@ -181,88 +195,86 @@ class Controller:
 
     def belief(self) -> dict[str, float]:
         """Posterior of the acceptance rate (all positions pooled) and the running draft length."""
-        s = self.state
-        a, b = s[L.ALL_A], s[L.ALL_B]
+        f = self.fields
+        a, b = f["pooled"]["alpha"], f["pooled"]["beta"]
         mean = a / (a + b)
         sd = math.sqrt(a * b / ((a + b) ** 2 * (a + b + 1.0)))
         out = {
             "mean": float(mean),
             "lo": float(max(0.0, mean - 1.645 * sd)),  # normal approximation of the 5% / 95% quantiles
             "hi": float(min(1.0, mean + 1.645 * sd)),
-            "expected_k": float(s[L.EMA_DRAFTED]),
-            "expected_accepted": float(s[L.EMA_ACCEPTED]),
-            "tau": float(s[L.EMA_ACCEPTED] + 1.0),
-            "draft_ms": float(1e3 * s[L.EMA_T_DRAFT]),
-            "verify_ms": float(1e3 * s[L.EMA_T_VERIFY]),
-            "rounds": float(s[L.ROUNDS]),
+            "expected_k": float(f["ema_drafted"]),
+            "expected_accepted": float(f["ema_accepted"]),
+            "tau": float(f["ema_accepted"] + 1.0),
+            "draft_ms": float(1e3 * f["ema_t_draft"]),
+            "verify_ms": float(1e3 * f["ema_t_verify"]),
+            "rounds": float(f["rounds"]),
         }
-        kind = s[L.KIND]
+        kind = f["kind"]
         if kind == L.MULTI:
-            out["source"] = float(s[L.SOURCE])
-            for i, name in enumerate(SOURCE_NAMES[: int(s[L.N_SRC])]):
-                sub = _source_state(s, i)
-                a1, b1 = sub[L.POS0], sub[L.POS0 + 1]
+            out["source"] = float(f["source"])
+            for i, name in enumerate(SOURCE_NAMES[: int(f["n_src"])]):
+                sub = f["src"][i]
+                a1, b1 = sub["pos"][0]["alpha"], sub["pos"][0]["beta"]
                 out[f"{name}_theta_1"] = float(a1 / (a1 + b1))
-                out[f"{name}_rounds"] = float(sub[L.ROUNDS])
-                out[f"{name}_tau"] = float(sub[L.EMA_ACCEPTED] + 1.0)
+                out[f"{name}_rounds"] = float(sub["rounds"])
+                out[f"{name}_tau"] = float(sub["ema_accepted"] + 1.0)
         if kind == L.HEURISTIC:
-            out["k"] = float(s[L.PARAM])
-        if kind == L.THOMPSON and s[L.RULE] == 0.0:
+            out["k"] = float(f["param"])
+        if kind == L.THOMPSON and f["rule"] == 0.0:
             k = self.max_draft
-            out["theta_1"] = float(s[L.POS0] / (s[L.POS0] + s[L.POS0 + 1]))
-            out["target_tok_s"] = float(s[L.LAMBDA])
-            if s[L.BATCH_COSTS] != 0.0:
-                ve = L.ve0(k)
-                if s[ve] > 0.0:
-                    out["draft_cost_ratio"] = float(s[L.EMA_T_DRAFT] / s[ve])
-                    out["verify_cost_ratio_max"] = float(s[ve + k] / s[ve])
+            a1, b1 = f["pos"][0]["alpha"], f["pos"][0]["beta"]
+            out["theta_1"] = float(a1 / (a1 + b1))
+            out["target_tok_s"] = float(f["lam"])
+            if f["batch_costs"] != 0.0:
+                ve = f["estimate"]  # per batch size 1..k+1
+                if ve[0] > 0.0:
+                    out["draft_cost_ratio"] = float(f["ema_t_draft"] / ve[0])
+                    out["verify_cost_ratio_max"] = float(ve[k] / ve[0])
         return out
 
     def state_dict(self) -> dict:
-        s = self.state
-        out: dict = {"name": self.name, "kind": int(s[L.KIND]), "max_draft": self.max_draft, "rounds": int(s[L.ROUNDS])}
-        out["pooled_alpha_beta"] = (float(s[L.ALL_A]), float(s[L.ALL_B]))
-        if s[L.KIND] == L.THOMPSON:
-            k = self.max_draft
-            out["positions_alpha_beta_predicted"] = s[L.POS0 : L.vc0(k)].reshape(k, L.POS_WIDTH).tolist()
-            out["bins_alpha_beta_predicted"] = s[L.BIN0 : L.POS0].reshape(L.N_BINS, L.BIN_WIDTH).tolist()
+        f = self.fields
+        out: dict = {"name": self.name, "kind": int(f["kind"]), "max_draft": self.max_draft, "rounds": int(f["rounds"])}
+        out["pooled_alpha_beta"] = (float(f["pooled"]["alpha"]), float(f["pooled"]["beta"]))
+        if f["kind"] == L.THOMPSON:
+            rows = recfunctions.structured_to_unstructured
+            out["positions_alpha_beta_predicted"] = rows(f["pos"]).tolist()
+            out["bins_alpha_beta_predicted"] = rows(f["bins"]).tolist()
             # (mean, count) per batch size: seconds for a batch of one, the ratio to it for larger batches
-            out["verify_mean_count"] = s[L.vc0(k) : L.ve0(k)].reshape(k + 1, 2).tolist()
-            out["verify_estimate"] = s[L.ve0(k) : L.th0(k)].tolist()
-            out["draft_seconds_per_token"] = float(s[L.EMA_T_DRAFT])
-        elif s[L.KIND] != L.THOMPSON:
-            out["param"] = float(s[L.PARAM])
+            out["verify_mean_count"] = rows(f["verify"]).tolist()
+            out["verify_estimate"] = f["estimate"].tolist()
+            out["draft_seconds_per_token"] = float(f["ema_t_draft"])
+        elif f["kind"] != L.MULTI:
+            out["param"] = float(f["param"])
         return out
 
     def __repr__(self) -> str:
         return f"Controller({self.name!r}, max_draft={self.max_draft})"
 
 
-def _new_state(size: int, kind: int, max_draft: int, seed: int) -> np.ndarray:
-    state = np.zeros(size, dtype=np.float64)
-    state[L.KIND] = kind
-    state[L.MAX_DRAFT] = max_draft
-    state[L.RNG : L.RNG + 4] = seed_words(seed)
-    state[L.ALL_A] = 1.0
-    state[L.ALL_B] = 1.0
-    state[L.SOURCE] = L.SRC_ANY
-    return state
+def _new_state(kind: int, max_draft: int, seed: int, n_src: int = 0) -> tuple[np.ndarray, Any]:
+    """A zeroed state of the kind's record with its header set, and its fields."""
+    record = L.RECORDS[kind]
+    state = np.zeros(record.size(max_draft, n_src), dtype=np.float64)
+    f = state.view(record.dtype(max_draft, n_src))[0]
+    f["kind"] = kind
+    f["max_draft"] = max_draft
+    f["rng"] = seed_words(seed)
+    f["pooled"] = (1.0, 1.0)
+    f["source"] = L.SRC_ANY
+    return state, f
 
 
 SOURCE_NAMES = ("lookup", "model")  # as L.SRC_LOOKUP, L.SRC_MODEL number them
 
 
-def _source_state(state: np.ndarray, s: int) -> np.ndarray:
-    size = int(L.thompson_size(int(state[L.MAX_DRAFT])))
-    at = L.MULTI_HEAD + s * size
-    return state[at : at + size]
-
-
-def _bins_prior(state: np.ndarray) -> None:
+def _bins_prior(f: Any) -> None:
+    """The confidence bins of the Thompson state with fields f at their prior: as the positions predict."""
+    bins = f["bins"]
     for j in range(L.N_BINS):
         m = bin_prior_mean(j)
-        b = L.BIN0 + L.BIN_WIDTH * j
-        state[b : b + 3] = BIN_PRIOR * m, BIN_PRIOR * (1.0 - m), BIN_PRIOR * m  # prior: as the positions predict
+        bins[j] = BIN_PRIOR * m, BIN_PRIOR * (1.0 - m), BIN_PRIOR * m
 
 
 def _bad_spec(spec: str, why: str) -> EesdError:
@@ -284,31 +296,31 @@ def make_controller(spec: str, *, max_draft: int = DRAFT_MAX, seed: int = 0, eps
     name, _, arg = spec.strip().lower().partition(":")
     if name in ("beta-ts", "calibration-ts", "cost-ts") and sources > 1:
         # one whole Thompson state per source, behind a header of its own (multi.py)
-        size = int(L.thompson_size(max_draft))
         subs = [make_controller(spec, max_draft=max_draft, seed=seed + 7919 * (i + 1), eps=eps, forget=forget)
                 for i in range(sources)]
-        state = _new_state(L.MULTI_HEAD + sources * size, L.MULTI, max_draft, seed)
-        state[L.N_SRC] = sources
+        state, f = _new_state(L.MULTI, max_draft, seed, n_src=sources)
+        f["n_src"] = sources
         for i, sub in enumerate(subs):
-            state[L.SRC_OFS + i] = L.MULTI_HEAD + i * size
-            state[L.MULTI_HEAD + i * size : L.MULTI_HEAD + (i + 1) * size] = sub.state
+            f["src_ofs"][i] = L.source_offset(max_draft, i)
+            L.source_state(state, i)[:] = sub.state
         return Controller(subs[0].name, state)
     if name in ("beta-ts", "calibration-ts", "cost-ts"):
         key = name if not arg else f"{name}:{arg}"
         if key not in _THOMPSON:
             raise _bad_spec(spec, f"{name} takes no argument other than 'paper'" + (", 'no-hindsight' or 'no-margin'" if name == "cost-ts" else ""))
         rule, bins, batch, margin = _THOMPSON[key]
-        state = _new_state(int(L.thompson_size(max_draft)), L.THOMPSON, max_draft, seed)
-        state[L.RULE] = rule
-        state[L.USE_BINS] = bins
-        state[L.BATCH_COSTS] = batch
-        state[L.MARGIN] = margin
-        state[L.EPS] = eps
-        state[L.FORGET] = forget
-        state[L.POS0 : L.POS0 + 3] = 1.0  # Beta(1, 1) at position 1
-        state[L.POS0 + L.POS_WIDTH : L.vc0(max_draft)] = POS_PRIOR / 2.0  # odds ratio 1 (r = alpha) deeper
-        state[L.REQ_SEEN] = 1e9  # no request warm-up until a request begins (begin_request)
-        _bins_prior(state)
+        state, f = _new_state(L.THOMPSON, max_draft, seed)
+        f["rule"] = rule
+        f["use_bins"] = bins
+        f["batch_costs"] = batch
+        f["margin"] = margin
+        f["eps"] = eps
+        f["forget"] = forget
+        half = POS_PRIOR / 2.0
+        f["pos"][0] = (1.0, 1.0, 1.0)  # Beta(1, 1) at position 1
+        f["pos"][1:] = (half, half, half)  # odds ratio 1 (r = alpha) deeper
+        f["req_seen"] = 1e9  # no request warm-up until a request begins (begin_request)
+        _bins_prior(f)
         return Controller(key, state)
     if name == "fixed":
         try:
@@ -317,8 +329,8 @@ def make_controller(spec: str, *, max_draft: int = DRAFT_MAX, seed: int = 0, eps
             raise _bad_spec(spec, "fixed needs a draft length, as in fixed:4") from None
         if not 0 <= k <= max_draft:
             raise _bad_spec(spec, f"the draft length must be within 0..max_draft={max_draft}")
-        state = _new_state(L.BASELINE_SIZE, L.FIXED, max_draft, seed)
-        state[L.PARAM] = k
+        state, f = _new_state(L.FIXED, max_draft, seed)
+        f["param"] = k
         return Controller(f"fixed:{k}", state)
     if name == "pmin":
         try:
@@ -327,12 +339,12 @@ def make_controller(spec: str, *, max_draft: int = DRAFT_MAX, seed: int = 0, eps
             raise _bad_spec(spec, "pmin needs a probability, as in pmin:0.75") from None
         if not 0.0 <= p <= 1.0:
             raise _bad_spec(spec, "p_min must be within 0..1")
-        state = _new_state(L.BASELINE_SIZE, L.PMIN, max_draft, seed)
-        state[L.PARAM] = p
+        state, f = _new_state(L.PMIN, max_draft, seed)
+        f["param"] = p
         return Controller(f"pmin:{p:g}", state)
     if name == "heuristic" and not arg:
-        state = _new_state(L.BASELINE_SIZE, L.HEURISTIC, max_draft, seed)
-        state[L.PARAM] = min(HEURISTIC_START, max_draft)
+        state, f = _new_state(L.HEURISTIC, max_draft, seed)
+        f["param"] = min(HEURISTIC_START, max_draft)
         return Controller("heuristic", state)
     raise _bad_spec(spec, "not a known controller")
 

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from eesd_local.speculative.controllers.jitcache import kernel
-from eesd_local.speculative.controllers.layout import MAX_DRAFT, PARAM
+from eesd_local.speculative.controllers.layout import BS
 
 HEURISTIC_START = 5.0  # transformers' assistant starts at num_assistant_tokens = 5
 
 
 @kernel
 def fixed_decide(state, step, confidence):
-    return 1 if step < min(state[PARAM], state[MAX_DRAFT]) else 0
+    return 1 if step < min(state[BS.param], state[BS.max_draft]) else 0
 
 
 @kernel
@@ -20,23 +20,23 @@ def pmin_decide(state, step, confidence):
     llama.cpp checks the candidate before keeping it; here the doubtful token is already
     drafted and goes to verification, and drafting stops after it.
     """
-    if step >= state[MAX_DRAFT]:
+    if step >= state[BS.max_draft]:
         return 0
-    return 1 if step == 0 or confidence >= state[PARAM] else 0
+    return 1 if step == 0 or confidence >= state[BS.param] else 0
 
 
 @kernel
 def heuristic_decide(state, step, confidence):
-    return 1 if step < min(int(state[PARAM]), state[MAX_DRAFT]) else 0
+    return 1 if step < min(int(state[BS.param]), state[BS.max_draft]) else 0
 
 
 @kernel
 def heuristic_update(state, confidences, n_accepted):
     """transformers' heuristic schedule: K += 2 when the whole draft was accepted, else K -= 1 (K >= 1)."""
     n = confidences.shape[0]
-    k = state[PARAM]
+    k = state[BS.param]
     if n > 0 and n_accepted >= n and n >= int(k):
         k += 2.0
     else:
         k -= 1.0
-    state[PARAM] = min(max(k, 1.0), state[MAX_DRAFT])
+    state[BS.param] = min(max(k, 1.0), state[BS.max_draft])

@@ -15,22 +15,22 @@ from __future__ import annotations
 from eesd_local.speculative.controllers.baselines import fixed_decide, heuristic_decide, heuristic_update, pmin_decide
 from eesd_local.speculative.controllers.common import update_header
 from eesd_local.speculative.controllers.jitcache import kernel
-from eesd_local.speculative.controllers.layout import FIXED, HEURISTIC, KIND, MULTI, PMIN, RULE, THOMPSON
+from eesd_local.speculative.controllers.layout import FIXED, HD, HEURISTIC, MULTI, PMIN, THOMPSON, TS
 from eesd_local.speculative.controllers.multi import multi_begin, multi_decide, multi_hindsight, multi_new_request, multi_update
 from eesd_local.speculative.controllers.thompson import ts_begin, ts_decide, ts_hindsight, ts_new_request, ts_update
 
 
 @kernel
 def controller_begin(state):
-    if state[KIND] == THOMPSON:
+    if state[HD.kind] == THOMPSON:
         ts_begin(state)
-    elif state[KIND] == MULTI:
+    elif state[HD.kind] == MULTI:
         multi_begin(state)
 
 
 @kernel
 def controller_decide(state, step, confidence):
-    kind = state[KIND]
+    kind = state[HD.kind]
     if kind == THOMPSON:
         return ts_decide(state, step, confidence)
     if kind == MULTI:
@@ -47,7 +47,7 @@ def controller_decide(state, step, confidence):
 @kernel
 def controller_update(state, confidences, n_accepted, t_draft, t_verify):
     update_header(state, confidences, n_accepted, t_draft, t_verify)
-    kind = state[KIND]
+    kind = state[HD.kind]
     if kind == THOMPSON:
         ts_update(state, confidences, n_accepted, t_verify)
     elif kind == MULTI:
@@ -60,8 +60,8 @@ def controller_update(state, confidences, n_accepted, t_draft, t_verify):
 def controller_hindsight(state, match, n_offered, n_matched):
     """A free offer (prompt lookup's n_offered tokens at match length ``match``) whose first n_matched
     tokens the target went on to emit: a no-op but for controllers that learn in hindsight
-    (layout.HINDSIGHT, thompson.ts_hindsight)."""
-    kind = state[KIND]
+    (the Thompson state's hindsight, thompson.ts_hindsight)."""
+    kind = state[HD.kind]
     if kind == THOMPSON:
         ts_hindsight(state, match, n_offered, n_matched)
     elif kind == MULTI:
@@ -71,7 +71,7 @@ def controller_hindsight(state, match, n_offered, n_matched):
 @kernel
 def controller_new_request(state):
     """A new request begins (called from Python, between generations)."""
-    if state[KIND] == THOMPSON and state[RULE] == 0.0:
+    if state[HD.kind] == THOMPSON and state[TS.rule] == 0.0:
         ts_new_request(state)
-    elif state[KIND] == MULTI:
+    elif state[HD.kind] == MULTI:
         multi_new_request(state)

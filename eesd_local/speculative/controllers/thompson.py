@@ -31,7 +31,7 @@ Costs. d and V(b) are measured online. Beta-TS and Calibration-TS take one verif
 for every batch size (the flat GPU case EESD was made for); cost-aware TS keeps a mean
 per batch size, smoothed toward a fitted line (see refresh_verify_estimates).
 
-Margin (cost-ts, state[MARGIN], DRAFT_MARGIN). A round drafts only where its plan beats plain
+Margin (cost-ts, the margin field, DRAFT_MARGIN). A round drafts only where its plan beats plain
 decoding's rate by 5% under the round's own sample (in hindsight: under the posterior means),
 and a probe with its bonus token is priced against that hurdle; the gate keeps its break-even,
 so probes reopen it as fast as before. C_k leaves out what a drafting round does to the rounds
@@ -61,7 +61,7 @@ ages by the round, observed or not, so after a long closed spell a few probes mo
 the gate reopens within ~170 rounds of a switch to an easy regime on the cpu profiles
 (simulator) while costing ~1% where nothing pays.
 
-Free offers, learned in hindsight (HINDSIGHT; the engine turns it on for prompt lookup, alone
+Free offers, learned in hindsight (the hindsight field; the engine turns it on for prompt lookup, alone
 or as `auto`'s lookup source). A lookup draft is a point proposal, accepted with the chance that
 the target emits it, so the tokens the target goes on to emit tell how far every offer would
 have run, drafted or not: the loop reports each offer once its outcome is known (ts_hindsight),
@@ -75,11 +75,11 @@ category in hindsight, where the position model above lost up to 8% to plain dec
 (its odds ratios, learned on copy-heavy requests, carried long drafts into prose). Two refinements
 (issue 31): prompt lookup reports an ambiguous n-gram (its earlier occurrences went on differently)
 as a one-token match, and offers at matches of REQUEST_MATCH tokens or more share the request's odds
-ratio against their classes (the POS0 triple, which the position model does not use in hindsight):
+ratio against their classes (the first position's triple, which the position model does not use in hindsight):
 a long match runs on in a rewrite and in code, less often in chat, and the classes pool every request.
 With B(b) fixed from the kept cost profile (PROFILE_COSTS) the plan is then a function of the tokens.
 
-RULE = 1 is the EESD paper's rule, kept for comparison: at each step sample theta (the
+rule = 1 is the EESD paper's rule, kept for comparison: at each step sample theta (the
 pooled posterior, or the confidence bin's) and go on with probability theta. Its draft
 length is geometric, which loses 6-21% to the best fixed k on the simulator's GPU
 profiles whatever the posterior, so it is not the default behaviour.
@@ -91,44 +91,7 @@ import math
 
 from eesd_local.speculative.controllers.common import discount, ema, observe
 from eesd_local.speculative.controllers.jitcache import kernel
-from eesd_local.speculative.controllers.layout import (
-    ALL_A,
-    ALL_B,
-    BATCH_COSTS,
-    BEHIND,
-    BIN0,
-    BIN_WIDTH,
-    EMA_T_DRAFT,
-    EMA_T_VERIFY,
-    EPS,
-    FORGET,
-    HINDSIGHT,
-    LAMBDA,
-    MARGIN,
-    MAX_DRAFT,
-    N_BINS,
-    N_RESUME,
-    NO_BONUS,
-    OFFER_CONF,
-    OFFER_MATCH,
-    OFFER_N,
-    OPEN,
-    POS0,
-    POS_WIDTH,
-    PREFIX,
-    PROBE,
-    REQ_SEEN,
-    RESUME,
-    RNG,
-    RULE,
-    STRETCH,
-    STRETCH_MEAN,
-    T_CATCHUP,
-    USE_BINS,
-    th0,
-    vc0,
-    ve0,
-)
+from eesd_local.speculative.controllers.layout import BP, N_BINS, TR, TS, VP, at
 from eesd_local.speculative.controllers.rng import beta, uniform
 
 BIN_PRIOR = 2.0  # prior strength of a confidence bin, centred on the bin's confidence
@@ -141,13 +104,13 @@ THETA_CLAMP = 1e-9  # keeps odds finite when a sampled theta rounds to 0 or 1
 REQUEST_EVIDENCE = 4.0  # observations of theta_1 a new request starts with (ts_new_request)
 REQUEST_RATIO_EVIDENCE = 16.0  # observations each deeper position's odds ratio keeps at a new request
 REQUEST_PROBES = 2  # a new request's gate stays closed until this many of its rounds were verified
-MATCH_PRIOR = 2.0  # prior strength of a match-length class (HINDSIGHT)
-MATCH_REQUEST_EVIDENCE = 16.0  # observations each match-length class keeps at a new request (HINDSIGHT)
-MATCH_FORGET = 0.99  # a match-length class keeps ~100 observations (HINDSIGHT)
-REQUEST_MATCH = 4  # HINDSIGHT: offers at matches of this many tokens and more share a per-request odds ratio
+MATCH_PRIOR = 2.0  # prior strength of a match-length class (in hindsight)
+MATCH_REQUEST_EVIDENCE = 16.0  # observations each match-length class keeps at a new request (in hindsight)
+MATCH_FORGET = 0.99  # a match-length class keeps ~100 observations (in hindsight)
+REQUEST_MATCH = 4  # in hindsight: offers at matches of this many tokens and more share a per-request odds ratio
 REQUEST_MATCH_PRIOR = 4.0  # its prior strength in observations ("as the classes predict")
-PROFILE_COSTS = 2.0  # state[BATCH_COSTS]: per size, B(b) fixed from the kept cost profile (Controller.prime_costs)
-DRAFT_MARGIN = 0.05  # cost-ts: a round drafts only if its plan beats plain decoding's rate by this share (state[MARGIN])
+PROFILE_COSTS = 2.0  # batch_costs: per size, B(b) fixed from the kept cost profile (Controller.prime_costs)
+DRAFT_MARGIN = 0.05  # cost-ts: a round drafts only if its plan beats plain decoding's rate by this share (the margin field)
 
 
 @kernel
@@ -165,30 +128,31 @@ def bin_prior_mean(i):
 
 @kernel
 def _size_mean(state, vc, b):
-    """Mean seconds of a verify of b + 1 tokens: a batch of one is kept in seconds, a larger one as its
-    ratio to a batch of one at the time (record_verify), so a machine that gets busier or quieter moves
-    every size at once, not only the sizes that happen to run."""
-    return state[vc] if b == 0 else state[vc + 2 * b] * state[vc]
+    """Mean seconds of a verify of b + 1 tokens (vc: the verify field): a batch of one is kept in seconds,
+    a larger one as its ratio to a batch of one at the time (record_verify), so a machine that gets busier
+    or quieter moves every size at once, not only the sizes that happen to run."""
+    return state[vc + VP.mean] if b == 0 else state[vc + VP.size * b + VP.mean] * state[vc + VP.mean]
 
 
 @kernel
 def record_verify(state, b, t_verify):
     """One verify of b + 1 tokens that took t_verify seconds into the per-size means (cost-aware TS)."""
-    k = int(state[MAX_DRAFT])
-    vc = vc0(k) + 2 * min(b, k)
+    k = int(state[TS.max_draft])
+    one = at(TS.verify, k)  # a batch of one
+    vc = one + VP.size * min(b, k)
     if b == 0:
-        state[vc + 1] += 1.0
-        state[vc] = ema(state[vc], t_verify, state[vc + 1])
-    elif state[BATCH_COSTS] == PROFILE_COSTS:
+        state[vc + VP.count] += 1.0
+        state[vc + VP.mean] = ema(state[vc + VP.mean], t_verify, state[vc + VP.count])
+    elif state[TS.batch_costs] == PROFILE_COSTS:
         return  # the ratios are the kept cost profile's
-    elif state[vc0(k) + 1] > 0.0 and state[vc0(k)] > 0.0:  # a ratio needs a batch of one timed first
-        state[vc + 1] += 1.0
-        state[vc] = ema(state[vc], t_verify / state[vc0(k)], state[vc + 1])
+    elif state[one + VP.count] > 0.0 and state[one + VP.mean] > 0.0:  # a ratio needs a batch of one timed first
+        state[vc + VP.count] += 1.0
+        state[vc + VP.mean] = ema(state[vc + VP.mean], t_verify / state[one + VP.mean], state[vc + VP.count])
 
 
 @kernel
 def refresh_verify_estimates(state):
-    """V(b) for b = 1..K+1 into the VE block.
+    """V(b) for b = 1..K+1 into the estimate field.
 
     Flat (Beta-TS, Calibration-TS): the mean verify time over all rounds, for every b.
     Per size (cost-aware TS): a line a + s (b - 1) fitted by least squares to the per-size
@@ -197,14 +161,14 @@ def refresh_verify_estimates(state):
     of a rarely used size cannot then hide it or make it look cheap; a size never seen
     takes the line, flat while only one size is known (optimistic, so it gets tried).
     """
-    k = int(state[MAX_DRAFT])
-    vc = vc0(k)
-    ve = ve0(k)
-    if state[BATCH_COSTS] == 0.0:
+    k = int(state[TS.max_draft])
+    vc = at(TS.verify, k)
+    ve = at(TS.estimate, k)
+    if state[TS.batch_costs] == 0.0:
         for b in range(k + 1):
-            state[ve + b] = state[EMA_T_VERIFY]
+            state[ve + b] = state[TS.ema_t_verify]
         return
-    if state[BATCH_COSTS] == PROFILE_COSTS:  # t(1) as timed here, B(b) as the kept cost profile has it
+    if state[TS.batch_costs] == PROFILE_COSTS:  # t(1) as timed here, B(b) as the kept cost profile has it
         for b in range(k + 1):
             state[ve + b] = _size_mean(state, vc, b)
         return
@@ -214,7 +178,7 @@ def refresh_verify_estimates(state):
     sxx = 0.0
     sxy = 0.0
     for b in range(k + 1):
-        n = state[vc + 2 * b + 1]
+        n = state[vc + VP.size * b + VP.count]
         y = _size_mean(state, vc, b)
         sw += n
         sx += n * b
@@ -230,7 +194,7 @@ def refresh_verify_estimates(state):
     icpt = (sy - slope * sx) / sw
     top = 0  # the largest batch size timed so far
     for b in range(k + 1):
-        n = state[vc + 2 * b + 1]
+        n = state[vc + VP.size * b + VP.count]
         state[ve + b] = (n * _size_mean(state, vc, b) + LINE_PRIOR * (icpt + slope * b)) / (n + LINE_PRIOR)
         if n > 0.0:
             top = b
@@ -253,80 +217,80 @@ def _prob(odds):
 
 
 @kernel
-def _mean_ratio(state, at):
-    """odds(posterior mean) / odds(predicted mean) of a triple (alpha, beta, predicted)."""
-    n = state[at] + state[at + 1]
-    return _odds(state[at] / n) / _odds(state[at + 2] / n)
+def _mean_ratio(state, t):
+    """odds(posterior mean) / odds(predicted mean) of the triple (layout.TRIPLE) at state[t]."""
+    n = state[t + TR.alpha] + state[t + TR.beta]
+    return _odds(state[t + TR.alpha] / n) / _odds(state[t + TR.predicted] / n)
 
 
 @kernel
-def _observe_ratio(state, at, strength, prior_mean, accepted, predicted):
-    """One outcome into a triple; the prior says 'as predicted' (ratio 1) with this strength."""
+def _observe_ratio(state, t, strength, prior_mean, accepted, predicted):
+    """One outcome into the triple at state[t]; the prior says 'as predicted' (ratio 1) with this strength."""
     a0 = strength * prior_mean
-    state[at + 2] = a0 + RATIO_FORGET * (state[at + 2] - a0) + predicted
-    observe(state, at, a0, strength - a0, RATIO_FORGET, accepted)
+    state[t + TR.predicted] = a0 + RATIO_FORGET * (state[t + TR.predicted] - a0) + predicted
+    observe(state, t, a0, strength - a0, RATIO_FORGET, accepted)
 
 
 @kernel
 def plan_limit(state):
-    """Most tokens this round's plan counts on: MAX_DRAFT, or fewer when the drafter's free
-    proposals (OFFER_N, prompt lookup's continuation) are all it has."""
-    k = int(state[MAX_DRAFT])
-    n = int(state[OFFER_N])
+    """Most tokens this round's plan counts on: max_draft, or fewer when the drafter's free
+    proposals (offer_n, prompt lookup's continuation) are all it has."""
+    k = int(state[TS.max_draft])
+    n = int(state[TS.offer_n])
     return min(k, n) if n > 0 else k
 
 
 @kernel
 def offer_ratio(state, sampled):
-    """Odds ratio of position 1 given the offer's confidence (the calibration bin of OFFER_CONF):
+    """Odds ratio of position 1 given the offer's confidence (the calibration bin of offer_conf):
     a lookup that matched a long n-gram is a safer bet than one that matched a single token.
-    1 when no confidence is known (OFFER_CONF outside (0, 1)) or bins are off."""
-    c = state[OFFER_CONF]
-    if state[USE_BINS] == 0.0 or c <= 0.0 or c >= 1.0:
+    1 when no confidence is known (offer_conf outside (0, 1)) or bins are off."""
+    c = state[TS.offer_conf]
+    if state[TS.use_bins] == 0.0 or c <= 0.0 or c >= 1.0:
         return 1.0
-    b = BIN0 + BIN_WIDTH * conf_bin(c)
-    n = state[b] + state[b + 1]
-    theta = beta(state, RNG, state[b], state[b + 1]) if sampled else state[b] / n
-    return _odds(theta) / _odds(state[b + 2] / n)
+    b = TS.bins + TR.size * conf_bin(c)
+    n = state[b + TR.alpha] + state[b + TR.beta]
+    theta = beta(state, TS.rng, state[b + TR.alpha], state[b + TR.beta]) if sampled else state[b + TR.alpha] / n
+    return _odds(theta) / _odds(state[b + TR.predicted] / n)
 
 
 @kernel
 def resume_cost(state):
-    """Seconds of a draft model's catching up on BEHIND tokens charged to the round that resumes it:
+    """Seconds of a draft model's catching up on ``behind`` tokens charged to the round that resumes it:
     paid once, before its first draft, and then good for the whole stretch of rounds it drafts before
     it falls behind again. So the catch-up is spread over the stretches the model drafted, their
-    harmonic mean (STRETCH_MEAN holds the mean of 1/stretch: short stretches weigh most, so a model
+    harmonic mean (stretch_mean holds the mean of 1/stretch: short stretches weigh most, so a model
     that drafts a round and stops is charged nearly all of it; the current stretch until one has
     ended; 1 while it never drafted). Charging it all to one round locks the model out: while another
     source drafts, the model falls further behind, its catch-up grows with every round, and it never
     resumes, however much more it would pay."""
-    behind = state[BEHIND]
+    behind = state[TS.behind]
     if behind <= 1.0:
         return 0.0
-    per_round = state[STRETCH_MEAN] if state[N_RESUME] > 0.0 else 1.0 / max(1.0, state[STRETCH])
-    return behind * state[RESUME] * per_round
+    per_round = state[TS.stretch_mean] if state[TS.n_resume] > 0.0 else 1.0 / max(1.0, state[TS.stretch])
+    return behind * state[TS.resume] * per_round
 
 
 @kernel
 def ts_begin(state):
-    k = int(state[MAX_DRAFT])
-    state[PREFIX] = 1.0
-    state[NO_BONUS] = 0.0
-    if state[RULE] != 0.0:
-        state[PROBE] = 1.0 if uniform(state, RNG) < state[EPS] else 0.0
+    k = int(state[TS.max_draft])
+    state[TS.prefix] = 1.0
+    state[TS.no_bonus] = 0.0
+    if state[TS.rule] != 0.0:
+        state[TS.probe] = 1.0 if uniform(state, TS.rng) < state[TS.eps] else 0.0
         return
-    if state[HINDSIGHT] != 0.0:
+    if state[TS.hindsight] != 0.0:
         _hindsight_begin(state)
         return
     kk = plan_limit(state)
-    th = th0(k)
-    ve = ve0(k)
-    d = state[EMA_T_DRAFT]
-    a1 = state[POS0]
-    b1 = state[POS0 + 1]
+    th = at(TS.chance, k)
+    ve = at(TS.estimate, k)
+    d = state[TS.ema_t_draft]
+    a1 = state[TS.pos + TR.alpha]
+    b1 = state[TS.pos + TR.beta]
     resume = resume_cost(state)
-    odds_1 = _odds(beta(state, RNG, a1, b1)) * offer_ratio(state, True)
-    state[LAMBDA] = _best_rate(state, odds_1, th, ve, d, kk, resume)
+    odds_1 = _odds(beta(state, TS.rng, a1, b1)) * offer_ratio(state, True)
+    state[TS.lam] = _best_rate(state, odds_1, th, ve, d, kk, resume)
     n1 = a1 + b1
     mean1 = a1 / n1
     v1 = state[ve]
@@ -336,32 +300,32 @@ def ts_begin(state):
     rate_0 = 1.0 / v1 if v1 > 0.0 else 0.0
     optimistic = mean1 + GATE_Z * math.sqrt(a1 * b1 / (n1 * n1 * (n1 + 1.0)))
     ratio = offer_ratio(state, False)
-    state[OPEN] = 1.0 if _best_rate(state, _odds(optimistic) * ratio, th + k, ve, d, kk, resume) > rate_0 else 0.0
-    # an open gate drafts only where the round's own sample beats plain decoding's rate by MARGIN: what a
+    state[TS.open] = 1.0 if _best_rate(state, _odds(optimistic) * ratio, at(TS.gate_chance, k), ve, d, kk, resume) > rate_0 else 0.0
+    # an open gate drafts only where the round's own sample beats plain decoding's rate by margin: what a
     # plan leaves out (the draft's weights evicting the target's from the caches) costs a few percent, so a
     # plan at break-even loses. (The gate itself keeps its break-even, so probes reopen it as fast.)
-    if state[OPEN] != 0.0 and state[LAMBDA] <= (1.0 + state[MARGIN]) * rate_0:
-        state[OPEN] = 0.0  # this round drafts nothing, or probes
-    warm_up = state[OPEN] != 0.0 and state[REQ_SEEN] < REQUEST_PROBES
+    if state[TS.open] != 0.0 and state[TS.lam] <= (1.0 + state[TS.margin]) * rate_0:
+        state[TS.open] = 0.0  # this round drafts nothing, or probes
+    warm_up = state[TS.open] != 0.0 and state[TS.req_seen] < REQUEST_PROBES
     if warm_up:
-        state[OPEN] = 0.0  # a new request probes before it drafts more (its acceptance is its own): see below
-    chance = state[EPS]
-    if state[OPEN] == 0.0 and state[BATCH_COSTS] != 0.0:
+        state[TS.open] = 0.0  # a new request probes before it drafts more (its acceptance is its own): see below
+    chance = state[TS.eps]
+    if state[TS.open] == 0.0 and state[TS.batch_costs] != 0.0:
         # a one-token round verified without its bonus costs d + V(1) for exactly one token (it wastes d),
-        # with the bonus d + V(2) for 1 + theta_1, a token worth V(1) / (1 + MARGIN) at the hurdle a drafting
+        # with the bonus d + V(2) for 1 + theta_1, a token worth V(1) / (1 + margin) at the hurdle a drafting
         # round must clear: the probe takes whichever wastes less, and probes take about EPS of the time
         p1 = _prob(_odds(mean1) * ratio)
-        waste = d + state[ve + 1] - (1.0 + p1) * v1 / (1.0 + state[MARGIN])
+        waste = d + state[ve + 1] - (1.0 + p1) * v1 / (1.0 + state[TS.margin])
         if d < waste:
-            state[NO_BONUS] = 1.0
+            state[TS.no_bonus] = 1.0
             waste = d
         waste += resume
-        chance = min(1.0, state[EPS] * v1 / waste) if waste > 0.0 else 1.0
+        chance = min(1.0, state[TS.eps] * v1 / waste) if waste > 0.0 else 1.0
         if waste > PROBE_WASTE_MAX * v1:
             chance = 0.0  # a lottery ticket: cheap on average, but one draw costs a user many tokens
-    state[PROBE] = 1.0 if uniform(state, RNG) < chance else 0.0
+    state[TS.probe] = 1.0 if uniform(state, TS.rng) < chance else 0.0
     if warm_up:
-        state[PROBE] = 1.0
+        state[TS.probe] = 1.0
 
 
 @kernel
@@ -374,7 +338,7 @@ def _best_rate(state, odds_1, out, ve, d, k, resume):
     odds = odds_1
     for i in range(k):
         if i > 0:
-            odds *= _mean_ratio(state, POS0 + POS_WIDTH * i)
+            odds *= _mean_ratio(state, TS.pos + TR.size * i)
         state[out + i] = _prob(odds)
     return _rate_of(state, out, ve, d, k, resume)
 
@@ -427,119 +391,120 @@ def _match_prior(c):
 
 @kernel
 def _request_ratio_prior(state):
-    """The request's odds ratio for long matches (POS0, unused by the position model in HINDSIGHT) at 1."""
+    """The request's odds ratio for long matches (the first position's triple, unused by the position
+    model in hindsight) at 1."""
     half = REQUEST_MATCH_PRIOR / 2.0
-    state[POS0] = half
-    state[POS0 + 1] = half
-    state[POS0 + 2] = half
+    state[TS.pos + TR.alpha] = half
+    state[TS.pos + TR.beta] = half
+    state[TS.pos + TR.predicted] = half
 
 
 @kernel
 def ts_use_hindsight(state):
-    """Turn HINDSIGHT on: the confidence bins become match-length classes at their prior, and the
+    """Turn hindsight on: the confidence bins become match-length classes at their prior, and the
     first position's triple holds the request's odds ratio for long matches (_match_planned)."""
-    state[HINDSIGHT] = 1.0
+    state[TS.hindsight] = 1.0
     _request_ratio_prior(state)
     for c in range(N_BINS):
-        at = BIN0 + BIN_WIDTH * c
-        state[at], state[at + 1] = _match_prior(c)
-        state[at + 2] = 0.0
+        t = TS.bins + TR.size * c
+        state[t + TR.alpha], state[t + TR.beta] = _match_prior(c)
+        state[t + TR.predicted] = 0.0
 
 
 @kernel
 def _match_mean(state, length):
-    at = BIN0 + BIN_WIDTH * match_class(length)
-    return state[at] / (state[at] + state[at + 1])
+    t = TS.bins + TR.size * match_class(length)
+    return state[t + TR.alpha] / (state[t + TR.alpha] + state[t + TR.beta])
 
 
 @kernel
 def _match_planned(state, length):
     """What the plan counts on for a token offered at this match length: its class's mean, and from
-    REQUEST_MATCH tokens on times this request's odds ratio (the POS0 triple: observed against what the
+    REQUEST_MATCH tokens on times this request's odds ratio (the first position's triple: observed against what the
     classes predicted for its offers at such matches). Long matches run on in a rewrite and in code
     (0.97-0.99 of first tokens after a 4-9 token match on the built-in sets) and less in chat (0.80):
     the classes pool every request, the ratio says which kind this one is within a few offers."""
     m = _match_mean(state, length)
     if length < REQUEST_MATCH:
         return m
-    return _prob(_odds(m) * _mean_ratio(state, POS0))
+    return _prob(_odds(m) * _mean_ratio(state, TS.pos))
 
 
 @kernel
 def _hindsight_begin(state):
-    """Plan the round from the match-length classes' means (OFFER_MATCH: the offer's match length)."""
-    k = int(state[MAX_DRAFT])
+    """Plan the round from the match-length classes' means (offer_match: the offer's match length)."""
+    k = int(state[TS.max_draft])
     kk = plan_limit(state)
-    th = th0(k)
-    ve = ve0(k)
-    state[PREFIX] = 1.0
-    state[NO_BONUS] = 0.0
-    state[PROBE] = 0.0
-    if state[OFFER_N] <= 0.0:
-        state[OPEN] = 0.0
-        state[LAMBDA] = 0.0
+    th = at(TS.chance, k)
+    ve = at(TS.estimate, k)
+    state[TS.prefix] = 1.0
+    state[TS.no_bonus] = 0.0
+    state[TS.probe] = 0.0
+    if state[TS.offer_n] <= 0.0:
+        state[TS.open] = 0.0
+        state[TS.lam] = 0.0
         return
-    match = state[OFFER_MATCH]
+    match = state[TS.offer_match]
     for i in range(kk):
         state[th + i] = _match_planned(state, match + i)
-    lam = _rate_of(state, th, ve, state[EMA_T_DRAFT], kk, 0.0)
-    state[LAMBDA] = lam
+    lam = _rate_of(state, th, ve, state[TS.ema_t_draft], kk, 0.0)
+    state[TS.lam] = lam
     v1 = state[ve]
-    state[OPEN] = 1.0 if v1 > 0.0 and lam > (1.0 + state[MARGIN]) / v1 else 0.0
+    state[TS.open] = 1.0 if v1 > 0.0 and lam > (1.0 + state[TS.margin]) / v1 else 0.0
 
 
 @kernel
 def ts_hindsight(state, match, n_offered, n_matched):
     """An offer of n_offered tokens at match length ``match``, of which the target went on to emit
-    the first n_matched: one observation per token up to the first miss (HINDSIGHT on)."""
-    if state[HINDSIGHT] == 0.0:
+    the first n_matched: one observation per token up to the first miss (hindsight on)."""
+    if state[TS.hindsight] == 0.0:
         return
-    n = min(int(n_offered), int(state[MAX_DRAFT]))
+    n = min(int(n_offered), int(state[TS.max_draft]))
     a = min(max(int(n_matched), 0), n)
     for i in range(min(a + 1, n)):
         c = match_class(match + i)
         accepted = 1.0 if i < a else 0.0
         if match + i >= REQUEST_MATCH:  # the request's ratio: what happened against what its class predicted
-            state[POS0] += accepted
-            state[POS0 + 1] += 1.0 - accepted
-            state[POS0 + 2] += _match_mean(state, match + i)
+            state[TS.pos + TR.alpha] += accepted
+            state[TS.pos + TR.beta] += 1.0 - accepted
+            state[TS.pos + TR.predicted] += _match_mean(state, match + i)
         a0, b0 = _match_prior(c)
-        observe(state, BIN0 + BIN_WIDTH * c, a0, b0, MATCH_FORGET, accepted)
-    state[REQ_SEEN] += 1.0
+        observe(state, TS.bins + TR.size * c, a0, b0, MATCH_FORGET, accepted)
+    state[TS.req_seen] += 1.0
 
 
 @kernel
 def ts_decide(state, step, confidence):
-    k = int(state[MAX_DRAFT])
+    k = int(state[TS.max_draft])
     if step >= k:
         return 0
-    if state[RULE] != 0.0:
+    if state[TS.rule] != 0.0:
         return _paper_decide(state, step, confidence)
     kk = plan_limit(state)
     if step >= kk:
         return 0
-    if state[BATCH_COSTS] != 0.0 and state[vc0(k) + 1] == 0.0:
+    if state[TS.batch_costs] != 0.0 and state[at(TS.verify, k) + VP.count] == 0.0:
         return 0  # one plain decode first, to learn what a target token costs
-    if state[OPEN] == 0.0:
+    if state[TS.open] == 0.0:
         if step > 0:
             return 0  # gate closed: at most one token, the cheapest look at theta_1
-        return 1 if state[PROBE] != 0.0 else 0
-    th = th0(k)
+        return 1 if state[TS.probe] != 0.0 else 0
+    th = at(TS.chance, k)
     if step > 0:
         p = state[th + step - 1]
         # a token's own confidence, unless the offer's confidence already conditioned the whole plan
-        if state[USE_BINS] != 0.0 and state[HINDSIGHT] == 0.0 and not 0.0 < state[OFFER_CONF] < 1.0:
-            b = BIN0 + BIN_WIDTH * conf_bin(confidence)
-            theta = beta(state, RNG, state[b], state[b + 1])
-            p = _prob(_odds(p) * _odds(theta) / _odds(state[b + 2] / (state[b] + state[b + 1])))
-        state[PREFIX] *= p
-    ve = ve0(k)
-    lam = state[LAMBDA]
-    d = state[EMA_T_DRAFT]
+        if state[TS.use_bins] != 0.0 and state[TS.hindsight] == 0.0 and not 0.0 < state[TS.offer_conf] < 1.0:
+            b = TS.bins + TR.size * conf_bin(confidence)
+            theta = beta(state, TS.rng, state[b + TR.alpha], state[b + TR.beta])
+            p = _prob(_odds(p) * _odds(theta) / _odds(state[b + TR.predicted] / (state[b + TR.alpha] + state[b + TR.beta])))
+        state[TS.prefix] *= p
+    ve = at(TS.estimate, k)
+    lam = state[TS.lam]
+    d = state[TS.ema_t_draft]
     base = state[ve + step]
     resume = resume_cost(state) if step == 0 else 0.0  # later steps: already paid this round
     gain = 0.0
-    term = state[PREFIX]
+    term = state[TS.prefix]
     for n in range(step + 1, kk + 1):
         term *= state[th + n - 1]
         gain += term
@@ -550,53 +515,54 @@ def ts_decide(state, step, confidence):
 
 @kernel
 def _paper_decide(state, step, confidence):
-    if step > 0 and state[USE_BINS] != 0.0:
-        b = BIN0 + BIN_WIDTH * conf_bin(confidence)
-        theta = beta(state, RNG, state[b], state[b + 1])
+    if step > 0 and state[TS.use_bins] != 0.0:
+        b = TS.bins + TR.size * conf_bin(confidence)
+        theta = beta(state, TS.rng, state[b + TR.alpha], state[b + TR.beta])
     else:
-        theta = beta(state, RNG, state[ALL_A], state[ALL_B])
-    return 1 if uniform(state, RNG) < theta else 0
+        theta = beta(state, TS.rng, state[TS.pooled + BP.alpha], state[TS.pooled + BP.beta])
+    return 1 if uniform(state, TS.rng) < theta else 0
 
 
 @kernel
 def _learn(state, confidences, n, a):
     """Acceptance evidence of n drafts (or offered tokens) of which the first a were accepted:
     positions 1..min(a + 1, n) are observed, each conditional on the ones before it."""
-    bins = state[USE_BINS] != 0.0
-    odds_prev = _odds(state[POS0] / (state[POS0] + state[POS0 + 1]))  # predictions use the state before this round
+    bins = state[TS.use_bins] != 0.0
+    first = TS.pos  # the first position's triple
+    odds_prev = _odds(state[first + TR.alpha] / (state[first + TR.alpha] + state[first + TR.beta]))  # predictions use the state before this round
     for i in range(min(a + 1, n)):
         accepted = 1.0 if i < a else 0.0
-        at = POS0 + POS_WIDTH * i
-        odds_i = odds_prev if i == 0 else odds_prev * _mean_ratio(state, at)
+        t = TS.pos + TR.size * i
+        odds_i = odds_prev if i == 0 else odds_prev * _mean_ratio(state, t)
         if bins:
             j = conf_bin(confidences[i])
-            _observe_ratio(state, BIN0 + BIN_WIDTH * j, BIN_PRIOR, bin_prior_mean(j), accepted, _prob(odds_i))
+            _observe_ratio(state, TS.bins + TR.size * j, BIN_PRIOR, bin_prior_mean(j), accepted, _prob(odds_i))
         if i > 0:
-            _observe_ratio(state, at, POS_PRIOR, 0.5, accepted, _prob(odds_prev))
+            _observe_ratio(state, t, POS_PRIOR, 0.5, accepted, _prob(odds_prev))
         odds_prev = odds_i
-    observe(state, POS0, 1.0, 1.0, state[FORGET], 1.0 if a > 0 else 0.0)
-    state[REQ_SEEN] += 1.0
+    observe(state, first, 1.0, 1.0, state[TS.forget], 1.0 if a > 0 else 0.0)
+    state[TS.req_seen] += 1.0
 
 
 @kernel
 def ts_update(state, confidences, n_accepted, t_verify):
     n = confidences.shape[0]
     a = min(max(n_accepted, 0), n)
-    if state[HINDSIGHT] == 0.0:  # with HINDSIGHT the loop reports every offer (ts_hindsight): drafts are in it
+    if state[TS.hindsight] == 0.0:  # in hindsight the loop reports every offer (ts_hindsight): drafts are in it
         if n > 0:
             _learn(state, confidences, n, a)
         else:  # theta_1's evidence ages by the round, seen or not, so a closed gate's estimate stays current
-            discount(state, POS0, 1.0, 1.0, state[FORGET])
-    behind = state[BEHIND]
-    if n > 0 and behind > 1.0 and state[T_CATCHUP] > 0.0 and state[T_CATCHUP] < 1e30:
-        state[N_RESUME] += 1.0  # a draft model caught up before drafting: seconds per token of catching up
-        state[RESUME] = ema(state[RESUME], state[T_CATCHUP] / behind, state[N_RESUME])
-        state[STRETCH_MEAN] = ema(state[STRETCH_MEAN], 1.0 / max(1.0, state[STRETCH]), state[N_RESUME])  # the stretch that ended
-        state[STRETCH] = 0.0
+            discount(state, TS.pos, 1.0, 1.0, state[TS.forget])
+    behind = state[TS.behind]
+    if n > 0 and behind > 1.0 and state[TS.t_catchup] > 0.0 and state[TS.t_catchup] < 1e30:
+        state[TS.n_resume] += 1.0  # a draft model caught up before drafting: seconds per token of catching up
+        state[TS.resume] = ema(state[TS.resume], state[TS.t_catchup] / behind, state[TS.n_resume])
+        state[TS.stretch_mean] = ema(state[TS.stretch_mean], 1.0 / max(1.0, state[TS.stretch]), state[TS.n_resume])  # the stretch that ended
+        state[TS.stretch] = 0.0
     if n > 0:
-        state[STRETCH] += 1.0
+        state[TS.stretch] += 1.0
     if t_verify > 0.0 and t_verify < 1e30:  # a missing or NaN timing must not poison the means
-        b = n - 1 if state[NO_BONUS] != 0.0 and n > 0 else n  # the verify batch held n + 1 tokens, or n
+        b = n - 1 if state[TS.no_bonus] != 0.0 and n > 0 else n  # the verify batch held n + 1 tokens, or n
         record_verify(state, b, t_verify)
     refresh_verify_estimates(state)
 
@@ -609,34 +575,34 @@ def ts_new_request(state):
     move it within a few rounds, where ~100 rounds of old evidence would hold it for tens. What
     the machine costs (verify times, draft times) and how the drafter's confidence relates to
     acceptance are kept: they do not change with the request."""
-    state[REQ_SEEN] = 0.0
-    if state[HINDSIGHT] != 0.0:  # the match-length classes are the request's: thinned alike
+    state[TS.req_seen] = 0.0
+    if state[TS.hindsight] != 0.0:  # the match-length classes are the request's: thinned alike
         for c in range(N_BINS):
             a0, b0 = _match_prior(c)
-            _thin(state, BIN0 + BIN_WIDTH * c, a0, b0, MATCH_REQUEST_EVIDENCE, False)
+            _thin(state, TS.bins + TR.size * c, a0, b0, MATCH_REQUEST_EVIDENCE, False)
         _request_ratio_prior(state)
         return
-    _thin(state, POS0, 1.0, 1.0, REQUEST_EVIDENCE, False)
+    _thin(state, TS.pos, 1.0, 1.0, REQUEST_EVIDENCE, False)
     # how far a draft runs on once its first token is right is the request's too (a copied block
     # runs on, prose does not): each deeper position's odds-ratio evidence is thinned alike
     a0 = POS_PRIOR * 0.5
-    for i in range(1, int(state[MAX_DRAFT])):
-        _thin(state, POS0 + POS_WIDTH * i, a0, a0, REQUEST_RATIO_EVIDENCE, True)
+    for i in range(1, int(state[TS.max_draft])):
+        _thin(state, TS.pos + TR.size * i, a0, a0, REQUEST_RATIO_EVIDENCE, True)
     # and so, for prompt lookup, is what a match length is worth (a 4-gram match continues a copied block
     # in a rewrite and a common phrase in an essay): the confidence bins are thinned alike
     for j in range(N_BINS):
         b0 = BIN_PRIOR * bin_prior_mean(j)
-        _thin(state, BIN0 + BIN_WIDTH * j, b0, BIN_PRIOR - b0, REQUEST_RATIO_EVIDENCE, True)
+        _thin(state, TS.bins + TR.size * j, b0, BIN_PRIOR - b0, REQUEST_RATIO_EVIDENCE, True)
 
 
 @kernel
-def _thin(state, at, a0, b0, keep, predicted):
-    """Thin the Beta (alpha, beta) at state[at:at+2] to ``keep`` observations beyond its prior (a0, b0),
-    around the same mean; ``predicted``: the triple's third entry (what was predicted) goes alike."""
-    n = state[at] + state[at + 1] - a0 - b0
+def _thin(state, t, a0, b0, keep, predicted):
+    """Thin the Beta (alpha, beta) of the triple at state[t] to ``keep`` observations beyond its prior
+    (a0, b0), around the same mean; ``predicted``: the triple's predicted sum goes alike."""
+    n = state[t + TR.alpha] + state[t + TR.beta] - a0 - b0
     if n > keep:
         w = keep / n
-        state[at] = a0 + w * (state[at] - a0)
-        state[at + 1] = b0 + w * (state[at + 1] - b0)
+        state[t + TR.alpha] = a0 + w * (state[t + TR.alpha] - a0)
+        state[t + TR.beta] = b0 + w * (state[t + TR.beta] - b0)
         if predicted:
-            state[at + 2] = a0 + w * (state[at + 2] - a0)
+            state[t + TR.predicted] = a0 + w * (state[t + TR.predicted] - a0)
