@@ -86,7 +86,8 @@ class BuildNative(build_ext):
                 reason = "linking against llama-cpp-python's libllama failed (the linker's messages are above)"
             else:
                 reason = " ".join(str(exc).split())
-            print(f"eesd-local: native round loop not built: {reason}; the Python loop will run", file=sys.stderr)
+            print(f"eesd-local: the native round loop could not be built: {reason}", file=sys.stderr)
+            raise
 
 
 LLAMA = find_llama_cpp()

@@ -6,6 +6,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -13,6 +14,7 @@
 #include "probs.hpp"
 #include "rounds.hpp"
 #include "simd.hpp"
+#include "verify.hpp"
 
 namespace py = pybind11;
 
@@ -62,12 +64,48 @@ py::list run_batch(PyRounds& self, size_t n_history, int draft_max, int left, in
     return out;
 }
 
+// mode CALL: the Python drafter's round, called with the GIL held. f(new history tokens, max_n,
+// rng state) -> (tokens, confidences, [q or None per token] or None, t_catchup, source, offer tokens,
+// offer match, rng state)
+void set_call(PyRounds& self, py::object f) {
+    if (f.is_none()) {
+        self.set_call(nullptr);
+        return;
+    }
+    auto holder = std::make_shared<py::object>(std::move(f));
+    self.set_call([holder](const llama_token* toks, size_t n, int max_n, eesd::TokenRng& rng, eesd::Called& out) {
+        py::gil_scoped_acquire gil;
+        py::list fresh(n);
+        for (size_t i = 0; i < n; i++) fresh[i] = toks[i];
+        py::tuple r = (*holder)(fresh, max_n, rng.s);
+        if (r.size() != 8) throw std::invalid_argument("the drafter's round call must return 8 values");
+        out.toks = r[0].cast<std::vector<llama_token>>();
+        out.conf = r[1].cast<std::vector<double>>();
+        if (!r[2].is_none()) {
+            for (py::handle q : r[2]) {
+                if (q.is_none()) {
+                    out.q.emplace_back();
+                } else {
+                    auto a = py::array_t<double, py::array::c_style | py::array::forcecast>::ensure(q);
+                    if (!a || a.ndim() != 1) throw std::invalid_argument("a draft distribution must be a 1-d array of floats");
+                    out.q.emplace_back(a.data(), a.data() + a.shape(0));
+                }
+            }
+        }
+        out.t_catchup = r[3].cast<double>();
+        out.src = r[4].cast<int>();
+        out.offer = r[5].cast<std::vector<llama_token>>();
+        out.offer_match = r[6].cast<int>();
+        rng.s = r[7].cast<uint64_t>();
+    });
+}
+
 const float* logit_row(const Logits& logits) {
     if (logits.ndim() != 1 || logits.shape(0) < 1) throw py::value_error("logits must be a non-empty 1-d array");
     return logits.data();
 }
 
-// sampling.probs in C++, for tests that the two agree
+// the processed distribution p of one row (top-k, top-p, temperature), for tests
 py::array_t<double> probs(const Logits& logits, double temperature, int top_k, double top_p) {
     const float* row = logit_row(logits);
     int n = static_cast<int>(logits.shape(0));
@@ -109,6 +147,9 @@ PYBIND11_MODULE(_native, m) {
             py::arg("offer_n"), py::arg("offer_conf"), py::arg("behind"), py::arg("source"), py::arg("t_catchup"),
             py::arg("offer_match") = -1,
             "Where the controller's state holds the offer, the chosen source and the catch-up seconds (-1: none).")
+        .def("set_call", &set_call, py::arg("call"),
+             "Mode 4's drafter, written in Python: call(new history tokens, max_n, rng state) -> (tokens, confidences, "
+             "[q or None] or None, t_catchup, source, offer tokens, offer match, rng state), once a round (None: unset).")
         .def("set_hindsight", &PyRounds::set_hindsight, py::arg("hindsight"),
              "Report every lookup offer to the controller once emitted tokens resolve it: the controller's hindsight "
              "entry point (controllers.cfuncs), 0: off.")
@@ -169,6 +210,87 @@ PYBIND11_MODULE(_native, m) {
         py::arg("table"), py::arg("row_bytes"), py::arg("type"), py::arg("n_rows"), py::arg("n_embd"), py::arg("ids"),
         "Rows ids of the embedding table at address table (n_rows rows of row_bytes bytes, ggml type) as float32, "
         "dequantized by ggml's type traits (what get_rows computes).");
+    m.def(
+        "lookup",
+        [](const std::vector<llama_token>& history, int ngram_min, int ngram_max, int max_n) {
+            if (ngram_min < 1 || ngram_min > ngram_max) throw py::value_error("lookup n-grams need 1 <= ngram_min <= ngram_max");
+            std::vector<llama_token> out;
+            int match = 0;
+            int n = eesd::lookup_match(history.data(), static_cast<int>(history.size()), ngram_min, ngram_max, max_n, out, match);
+            return py::make_tuple(out, n, match);
+        },
+        py::arg("history"), py::arg("ngram_min"), py::arg("ngram_max"), py::arg("max_n"),
+        "Prompt lookup over history: (continuation of up to max_n tokens, n of the matched n-gram, match length); "
+        "an ambiguous n-gram's match length is 1.");
+    m.def("match_confidence", &eesd::match_confidence, py::arg("n"), py::arg("ngram_max"),
+          "A matched n-gram's confidence, n / (ngram_max + 1); 0 for no match.");
+    m.def(
+        "pick",
+        [](const Logits& logits, double temperature, int top_k, double top_p, uint64_t rng_state) {
+            const float* row = logit_row(logits);
+            eesd::TokenRng rng{rng_state};
+            eesd::Verifier v;
+            int tok = v.pick(row, static_cast<int>(logits.shape(0)), eesd::sampling_of(temperature, top_k, top_p), rng);
+            return py::make_tuple(tok, rng.s);
+        },
+        py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("rng_state"),
+        "(token, rng state): the argmax at temperature 0, else a draw from the processed distribution.");
+    m.def(
+        "verify",
+        [](py::array_t<float, py::array::c_style | py::array::forcecast> rows, const std::vector<llama_token>& drafts, py::object qs,
+           double temperature, int top_k, double top_p, uint64_t rng_state, bool bonus) {
+            if (rows.ndim() != 2) throw py::value_error("rows must be a 2-d array (rows x vocabulary)");
+            int k = static_cast<int>(drafts.size());
+            int n = static_cast<int>(rows.shape(1));
+            if (rows.shape(0) < (bonus ? k + 1 : std::max(k, 1))) throw py::value_error("too few rows for the drafts");
+            std::vector<char> point(k, 1);
+            std::vector<eesd::Dist> q(k);
+            if (!qs.is_none()) {
+                py::list ql = qs.cast<py::list>();
+                if (static_cast<int>(ql.size()) != k) throw py::value_error("one q (or None) per draft");
+                for (int i = 0; i < k; i++) {
+                    if (ql[i].is_none()) continue;
+                    auto a = py::array_t<double, py::array::c_style | py::array::forcecast>::ensure(ql[i]);
+                    if (!a || a.ndim() != 1 || a.shape(0) != n) throw py::value_error("q must be a 1-d array over the vocabulary");
+                    point[i] = 0;
+                    q[i].v.assign(a.data(), a.data() + n);
+                }
+            }
+            for (llama_token d : drafts)
+                if (d < 0 || d >= n) throw py::value_error("draft token out of range");
+            const float* base = rows.data();
+            auto row = [base, n](int i) { return base + static_cast<size_t>(i) * n; };
+            eesd::Sampling sp = eesd::sampling_of(temperature, top_k, top_p);
+            eesd::TokenRng rng{rng_state};
+            int m = 0, nxt = 0;
+            if (sp.greedy) {
+                eesd::Verifier::greedy(row, n, drafts.data(), k, bonus, m, nxt);
+            } else {
+                eesd::Verifier v;
+                v.sampled(row, n, sp, drafts.data(), point.data(), q, k, bonus, rng, m, nxt);
+            }
+            return py::make_tuple(m, nxt, rng.s);
+        },
+        py::arg("rows"), py::arg("drafts"), py::arg("qs"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
+        py::arg("rng_state"), py::arg("bonus") = true,
+        "The round's verification of drafts against the target's rows: (accepted, next token, rng state); qs: q per "
+        "draft, None for a point proposal (or None for all).");
+    m.def(
+        "random",
+        [](uint64_t state) {
+            eesd::TokenRng rng{state};
+            double u = rng.random();
+            return py::make_tuple(u, rng.s);
+        },
+        py::arg("state"), "(u in [0, 1), next state): one draw of the token sampler's splitmix64 stream.");
+    m.def(
+        "splitmix64",
+        [](uint64_t state) {
+            eesd::TokenRng rng{state};
+            uint64_t z = rng.next();
+            return py::make_tuple(z, rng.s);
+        },
+        py::arg("state"), "(z, next state): one 64-bit output of splitmix64 (the controllers' seeding draws four words from it).");
     m.def("round_limit", &eesd::round_limit, py::arg("draft_max"), py::arg("left"), py::arg("room"),
           "Most tokens a round may draft: max(0, min(draft_max, left - 1, room - 1)).");
     m.def("probs", &probs, py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"));

@@ -1,7 +1,7 @@
-// Sampling distributions over the vocabulary, as eesd_local.speculative.sampling computes them: top-k,
-// top-p (on the logits at temperature 1), temperature, the inverse-CDF draw, and the random
-// stream both loops share. Every tie rule and cut-off follows sampling.py so that the two
-// loops pick the same tokens.
+// Sampling distributions over the vocabulary: top-k, top-p (on the logits at temperature 1),
+// temperature, the inverse-CDF draw, and the token sampler's random stream. Every tie rule and
+// cut-off is stated again, slowly, in the NumPy reference (tests/reference.py) that the tests hold
+// this to.
 #pragma once
 
 #include <algorithm>
@@ -18,14 +18,14 @@ namespace eesd {
 // uniform = (z >> 11) * 2**-53, so every double in [0, 1) on the 2**-53 grid
 struct TokenRng {
     uint64_t s;
-    double random() {
+    uint64_t next() {
         s += 0x9E3779B97F4A7C15ull;
         uint64_t z = s;
         z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
         z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-        z ^= z >> 31;
-        return static_cast<double>(z >> 11) * 0x1.0p-53;
+        return z ^ (z >> 31);
     }
+    double random() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }
 };
 
 struct Sampling {

@@ -16,28 +16,34 @@ namespace eesd {
 // emitted, the target's KV cache is trimmed past them, and the controller learns how it went.
 void Rounds::one_round(int max_n, RoundOut& r) {
     double t1 = now_s();
-    // what is free to know before the round (Drafter.offer): lookup's match, how far the draft model is behind
-    cands_.clear();
-    double conf = 0.0;
     if (hindsight_) see_offers();
-    if (ngram_max_ > 0 && mode_ != NONE) {  // the lookup drafter runs here rather than in Python
-        int n_match = lookup(max_n, cands_);
-        conf = n_match > 0 ? n_match / (ngram_max_ + 1.0) : 0.0;  // lookup.match_confidence
-    }
-    bool offers = mode_ == POINT || mode_ == CHOOSE;  // a hierarchical drafter's guesses are not free proposals
-    put(slots_.offer_n, offers ? static_cast<double>(cands_.size()) : 0.0);
-    put(slots_.offer_conf, offers && !cands_.empty() ? conf : 0.0);
-    put(slots_.offer_match, offers && !cands_.empty() ? static_cast<double>(match_len_) : 0.0);
-    if (hindsight_ && offers && !cands_.empty() && !covered(history_.size(), cands_))
-        offers_.push_back(PendingOffer{history_.size(), cands_, match_len_});
-    put(slots_.behind, (mode_ == MODEL || mode_ == CHOOSE) && dft_.ctx ? behind() : 0.0);
     put(slots_.t_catchup, 0.0);
     t_catchup_ = 0.0;
-    begin_(st_, n_st_);
-    r.src = draft(max_n, conf);
+    if (mode_ == CALL) {
+        propose_called(max_n);  // the Python drafter's offer, the controller's begin and the proposal, in one call
+        r.src = called_.src;
+    } else {
+        // what is free to know before the round: lookup's match, how far the draft model is behind
+        cands_.clear();
+        double conf = 0.0;
+        if (ngram_max_ > 0 && mode_ != NONE) {
+            int n_match = lookup_match(history_.data(), static_cast<int>(history_.size()), ngram_min_, ngram_max_, max_n, cands_,
+                                       match_len_);
+            conf = match_confidence(n_match, ngram_max_);
+        }
+        bool offers = mode_ == POINT || mode_ == CHOOSE;  // a hierarchical drafter's guesses are not free proposals
+        put(slots_.offer_n, offers ? static_cast<double>(cands_.size()) : 0.0);
+        put(slots_.offer_conf, offers && !cands_.empty() ? conf : 0.0);
+        put(slots_.offer_match, offers && !cands_.empty() ? static_cast<double>(match_len_) : 0.0);
+        if (hindsight_ && offers && !cands_.empty() && !covered(history_.size(), cands_))
+            offers_.push_back(PendingOffer{history_.size(), cands_, match_len_});
+        put(slots_.behind, (mode_ == MODEL || mode_ == CHOOSE) && dft_.ctx ? behind() : 0.0);
+        begin_(st_, n_st_);
+        r.src = draft(max_n, conf);
+    }
     double t2 = now_s();
     int k = static_cast<int>(drafted_.size());
-    // a probe verifies its drafts without the bonus: [last, d1..d(k-1)], k rows (rounds.PythonRounds)
+    // a probe verifies its drafts without the bonus: [last, d1..d(k-1)], k rows
     bool bonus = k == 0 || no_bonus_slot_ < 0 || no_bonus_slot_ >= n_st_ || st_[no_bonus_slot_] == 0.0;
     int n_rows = bonus ? k + 1 : k;
     size_t n_keep = tgt_.tokens.size() + 1;  // the cache keeps `last` ...
@@ -45,10 +51,11 @@ void Rounds::one_round(int max_n, RoundOut& r) {
     batch_.insert(batch_.end(), drafted_.begin(), drafted_.begin() + (n_rows - 1));
     target_decode(batch_.data(), n_rows, n_rows);
     int m = 0, nxt = 0;
+    auto rows = [this](int i) { return tgt_.row(i); };
     if (sp_.greedy)
-        verify_greedy(k, bonus, m, nxt);
+        Verifier::greedy(rows, tgt_.n_vocab, drafted_.data(), k, bonus, m, nxt);
     else
-        verify_sampled(k, bonus, m, nxt);
+        ver_.sampled(rows, tgt_.n_vocab, sp_, drafted_.data(), point_.data(), q_, k, bonus, rng_, m, nxt);
     target_trim(n_keep + std::min(m, n_rows - 1));  // ... and the accepted drafts it decoded; the rest is rolled back
     double t3 = now_s();
     r.m = m;
@@ -111,7 +118,7 @@ int Rounds::draft(int max_n, double conf) {
     int src = mode_ == POINT ? SRC_LOOKUP : mode_ == MODEL ? SRC_MODEL : SRC_NONE;
     if (mode_ == CHOOSE) {
         src = slots_.source >= 0 && slots_.source < n_st_ ? static_cast<int>(st_[slots_.source]) : SRC_ANY;
-        if (src == SRC_ANY) src = !cands_.empty() || !dft_.ctx ? SRC_LOOKUP : SRC_MODEL;  // AutoDrafter.propose
+        if (src == SRC_ANY) src = !cands_.empty() || !dft_.ctx ? SRC_LOOKUP : SRC_MODEL;  // a baseline controller does not choose
         if (src == SRC_MODEL && !dft_.ctx) src = SRC_NONE;
     }
     if (src == SRC_LOOKUP) propose_point(max_n, conf);
@@ -119,7 +126,7 @@ int Rounds::draft(int max_n, double conf) {
     return src;
 }
 
-// tokens of the history the draft context lacks, but the last one (ModelDrafter.behind)
+// tokens of the history the draft context lacks, but the last one
 int Rounds::behind() const {
     size_t common = 0;
     size_t lim = std::min(dft_.tokens.size(), history_.size());
@@ -133,42 +140,7 @@ void Rounds::add(llama_token tok, bool point, double conf) {
     conf_.push_back(conf);
 }
 
-// LookupDrafter.lookup: out = the tokens (at most max_n) after the latest earlier end e <= len-2
-// of the longest suffix n-gram, n from ngram_max down to ngram_min; returns n (0: no match).
-// One backward scan: L(e) = how many tokens ending at e match the suffix (capped at
-// ngram_max); the first e met with a new largest L is the latest end of that n-gram, which
-// is the entry Python's index keeps (it overwrites with later ends).
-int Rounds::lookup(int max_n, std::vector<llama_token>& out) {
-    out.clear();
-    const llama_token* h = history_.data();
-    int len = static_cast<int>(history_.size());
-    int cap = std::min(ngram_max_, len), best_n = 0, best_e = -1;
-    for (int e = len - 2; e >= 0 && best_n < cap; e--) {
-        int l = 0;
-        while (l < cap && l <= e && h[e - l] == h[len - 1 - l]) l++;
-        if (l > best_n && l >= ngram_min_) best_n = l, best_e = e;
-    }
-    if (best_e < 0) return 0;
-    int l = best_n;  // the match length: on beyond the n-gram, up to MATCH_CAP (LookupDrafter.lookup_match)
-    while (l < MATCH_CAP && best_e - l >= 0 && h[best_e - l] == h[len - 1 - l]) l++;
-    match_len_ = l;
-    // an ambiguous n-gram (an earlier occurrence went on with another token) counts as a one-token match;
-    // LookupDrafter.lookup_match is the reference (tests/test_hindsight.py runs both loops against it)
-    for (int e = best_e - 1; l > 1 && e >= best_n - 1; e--) {
-        if (h[e + 1] == h[best_e + 1]) continue;
-        int k = 0;
-        while (k < best_n && h[e - k] == h[len - 1 - k]) k++;
-        if (k == best_n) {
-            match_len_ = 1;
-            break;
-        }
-    }
-    int end = std::min(len, best_e + 1 + max_n);
-    out.assign(h + best_e + 1, h + end);
-    return best_n;
-}
-
-// rounds.covers: a pending offer already predicts this one's tokens wherever they overlap (the same copy,
+// a pending offer already predicts this one's tokens wherever they overlap (the same copy,
 // offered again a round later): counted once
 bool Rounds::covered(size_t start, const std::vector<llama_token>& toks) const {
     for (const PendingOffer& o : offers_) {
@@ -180,7 +152,7 @@ bool Rounds::covered(size_t start, const std::vector<llama_token>& toks) const {
     return false;
 }
 
-// rounds.Hindsight.see: report the offers the history now resolves (a token that differs from the
+// report the offers the history now resolves (a token that differs from the
 // offer, or every offered token emitted), keep the rest
 void Rounds::see_offers() {
     size_t keep = 0;
@@ -200,7 +172,7 @@ void Rounds::see_offers() {
     offers_.resize(keep);
 }
 
-// lookup: the controller cuts the proposals (LookupDrafter.propose)
+// lookup: the controller cuts the proposals
 void Rounds::propose_point(int max_n, double conf) {
     if (max_n <= 0 || cands_.empty() || !decide_(st_, n_st_, 0, 1.0)) return;
     int n = std::min(max_n, static_cast<int>(cands_.size()));
@@ -210,7 +182,47 @@ void Rounds::propose_point(int max_n, double conf) {
     }
 }
 
-// (token, confidence) from a draft logit row; q_[j] is filled when sampling (drafters/model.pick)
+// a drafter written in Python: one call gives the round's offer, begins the controller and proposes
+void Rounds::propose_called(int max_n) {
+    Called& c = called_;
+    c.toks.clear();
+    c.conf.clear();
+    c.q.clear();
+    c.offer.clear();
+    c.t_catchup = 0.0;
+    c.src = SRC_NONE;
+    c.offer_match = 0;
+    call_(history_.data() + call_seen_, history_.size() - call_seen_, max_n, rng_, c);
+    call_seen_ = history_.size();
+    int k = static_cast<int>(c.toks.size());
+    if (k > std::max(0, max_n)) throw std::invalid_argument("the drafter proposed " + std::to_string(k) + " tokens, more than the " + std::to_string(max_n) + " asked for");
+    if (c.conf.size() != c.toks.size() || (!c.q.empty() && c.q.size() != c.toks.size()))
+        throw std::invalid_argument("the drafter's proposal has " + std::to_string(k) + " tokens but " + std::to_string(c.conf.size()) +
+                                    " confidences and " + std::to_string(c.q.size()) + " distributions");
+    drafted_.clear();
+    conf_.clear();
+    point_.clear();
+    if (q_.size() < c.toks.size()) q_.resize(c.toks.size());
+    for (int i = 0; i < k; i++) {
+        llama_token t = c.toks[i];
+        if (t < 0 || t >= tgt_.n_vocab) throw std::invalid_argument("the drafter proposed token " + std::to_string(t) + ", outside the vocabulary");
+        bool point = c.q.empty() || c.q[i].empty();
+        if (!point) {
+            if (static_cast<int>(c.q[i].size()) != tgt_.n_vocab)
+                throw std::invalid_argument("a draft distribution has " + std::to_string(c.q[i].size()) + " entries, not the vocabulary's " +
+                                            std::to_string(tgt_.n_vocab));
+            q_[i].all = true;
+            q_[i].sup.clear();
+            q_[i].v.assign(c.q[i].begin(), c.q[i].end());
+        }
+        add(t, point, c.conf[i]);
+    }
+    t_catchup_ = c.t_catchup;
+    if (hindsight_ && !c.offer.empty() && !covered(history_.size(), c.offer))
+        offers_.push_back(PendingOffer{history_.size(), c.offer, c.offer_match});
+}
+
+// (token, confidence) from a draft logit row; q_[j] is filled when sampling
 llama_token Rounds::pick(const float* row, llama_token guess, size_t j, double& conf) {
     int n = dft_.n_vocab;
     if (sp_.greedy) {  // q is not needed: the confidence q(argmax) = 1 / sum_i exp(row[i] - row[argmax])
@@ -244,7 +256,7 @@ llama_token Rounds::pick(const float* row, llama_token guess, size_t j, double& 
 }
 
 // a draft model: sync its cache with the history lazily, then draft token by token,
-// taking the lookup's guesses (cands_) while they survive (ModelDrafter.propose)
+// taking the lookup's guesses (cands_) while they survive
 void Rounds::propose_model(int max_n, bool guesses) {
     if (max_n <= 0 || !decide_(st_, n_st_, 0, 1.0)) return;
     static const std::vector<llama_token> no_guess;
@@ -287,66 +299,6 @@ void Rounds::propose_model(int max_n, bool guesses) {
 }
 
 // --- verification ---------------------------------------------------------------------
-
-// greedy: accept while d_i is the target's argmax; the first mismatch's argmax is the next token
-void Rounds::verify_greedy(int k, bool bonus, int& m, int& nxt) {
-    for (int i = 0; i <= k; i++) {
-        if (i == k && !bonus) {
-            m = k;
-            nxt = -1;
-            return;
-        }
-        int best = argmax(tgt_.row(i), tgt_.n_vocab);
-        if (i == k || best != drafted_[i]) {
-            m = i;
-            nxt = best;
-            return;
-        }
-    }
-}
-
-// speculative sampling over k drafts (sampling.verify_sampled):
-// accept d with probability min(1, p(d)/q(d)); else sample max(0, p - q) normalised;
-// all accepted: a bonus token from p_{k+1}
-void Rounds::verify_sampled(int k, bool bonus, int& m, int& nxt) {
-    int n = tgt_.n_vocab;
-    for (int i = 0; i < k; i++) {
-        llama_token d = drafted_[i];
-        probs_.compute(tgt_.row(i), n, sp_, p_);
-        double qd = point_[i] ? 1.0 : q_[i][d];
-        if (qd <= 0.0)
-            throw std::domain_error("draft " + std::to_string(d) + " has zero draft probability: the drafter must sample from its q");
-        if (rng_.random() < std::min(1.0, p_[d] / qd)) continue;  // q(d) <= p(d): always accept
-        int tok;
-        if (point_[i]) {
-            tok = sample(p_, p_.v.data(), d, rng_, blocks_);  // max(0, p - onehot(d)): p without d
-        } else {
-            // max(0, p - q) is zero wherever p is: only p's support is written and read
-            resid_.resize(n);
-            const double* p = p_.v.data();
-            const double* q = q_[i].v.data();
-            double* r = resid_.data();
-            if (p_.all) {
-#pragma omp simd
-                for (int v = 0; v < n; v++) r[v] = std::max(p[v] - q[v], 0.0);
-            } else {
-                for (int v : p_.sup) r[v] = std::max(p[v] - q[v], 0.0);
-            }
-            tok = sample(p_, r, -1, rng_, blocks_);
-        }
-        if (tok < 0) tok = sample(p_, p_.v.data(), -1, rng_, blocks_);  // p == q up to rounding: p itself
-        m = i;
-        nxt = tok;
-        return;
-    }
-    m = k;
-    if (!bonus) {  // a probe: no row k, no bonus draw
-        nxt = -1;
-        return;
-    }
-    probs_.compute(tgt_.row(k), n, sp_, p_);
-    nxt = sample(p_, p_.v.data(), -1, rng_, blocks_);
-}
 
 // --- set-up and checks ----------------------------------------------------------------
 
@@ -404,9 +356,10 @@ void Rounds::check_call(size_t n_history) {
 }
 
 void Rounds::check_mode(int mode) const {
-    if (mode < NONE || mode > CHOOSE)
-        throw std::invalid_argument("mode must be 0 (none), 1 (lookup), 2 (draft model) or 3 (the controller chooses)");
+    if (mode < NONE || mode > CALL)
+        throw std::invalid_argument("mode must be 0 (none), 1 (lookup), 2 (draft model), 3 (the controller chooses) or 4 (a call)");
     if (mode == MODEL && !dft_.ctx) throw std::invalid_argument("mode 2 needs a draft context");
+    if (mode == CALL && !call_) throw std::invalid_argument("mode 4 needs set_call() first");
 }
 
 void Rounds::check_fits(int max_n) const {

@@ -1,9 +1,9 @@
 // The speculative round loop in C++ (eesd_local._native.Rounds): draft, one batched verify,
 // accept, KV rollback, against the libllama that llama-cpp-python loaded. The contexts belong
 // to Python (their pointers arrive as integers); the controller is the Numba code of
-// eesd_local.speculative.controllers, called through cfunc pointers on its float64 state array. Every
-// step mirrors the Python loop (rounds.PythonRounds, sampling.py, drafters/) so that both give
-// the same tokens: same decode calls, same maths, same random stream.
+// eesd_local.speculative.controllers, called through cfunc pointers on its float64 state array.
+// This is the only round loop: every drafter runs here (a drafter written in Python through one
+// call a round, mode CALL), and every rule of the round is written once, here and in verify.hpp.
 //
 // Nothing here knows Python: errors a caller can cause are std::invalid_argument (ValueError
 // once bound), and the bindings (module.cpp) keep the arrays alive whose data this reads.
@@ -15,11 +15,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <vector>
 
 #include "capture.hpp"
 #include "kv.hpp"
 #include "probs.hpp"
+#include "verify.hpp"
 
 namespace eesd {
 
@@ -36,12 +38,10 @@ using update_fn = void (*)(double*, int64_t, double*, int64_t, int64_t, double, 
 // a free offer seen in hindsight (match length, tokens offered, tokens of it the target emitted)
 using hindsight_fn = void (*)(double*, int64_t, int64_t, int64_t, int64_t);
 
-// a lookup match is measured up to this many tokens (drafters/lookup.py MATCH_CAP)
-constexpr int MATCH_CAP = 16;
-
 // no drafter; fixed proposals (lookup); a draft model (lookup's proposals, if any, are its guesses);
-// the controller picks one source per round (lookup alone or the draft model alone)
-enum Mode { NONE = 0, POINT = 1, MODEL = 2, CHOOSE = 3 };
+// the controller picks one source per round (lookup alone or the draft model alone); a drafter
+// written in Python, called once a round (set_call)
+enum Mode { NONE = 0, POINT = 1, MODEL = 2, CHOOSE = 3, CALL = 4 };
 // the sources, as the controller's SOURCE slot numbers them (controllers/layout.py SRC_*)
 enum Source { SRC_ANY = -2, SRC_NONE = -1, SRC_LOOKUP = 0, SRC_MODEL = 1 };
 
@@ -50,6 +50,21 @@ enum Source { SRC_ANY = -2, SRC_NONE = -1, SRC_LOOKUP = 0, SRC_MODEL = 1 };
 struct Slots {
     int offer_n = -1, offer_conf = -1, behind = -1, source = -1, t_catchup = -1, offer_match = -1;
 };
+
+// What a drafter written in Python drafted in one round (mode CALL). Its call does the round's
+// beginning too: the drafter's offer, the controller's begin (in place on the same state), and the
+// proposal with the controller deciding token by token.
+struct Called {
+    std::vector<llama_token> toks;
+    std::vector<double> conf;             // the controller's confidence in each draft
+    std::vector<std::vector<double>> q;   // q of each draft over the vocabulary; empty: a point proposal
+    double t_catchup = 0.0;               // seconds of it spent catching up (charged to resuming)
+    int src = SRC_NONE;                   // the source that drafted
+    std::vector<llama_token> offer;       // a free offer, learned in hindsight (set_hindsight), and its match
+    int offer_match = 0;
+};
+// (the history's tokens since the last call, how many, the draft limit, the random stream, out)
+using call_fn = std::function<void(const llama_token*, size_t, int, TokenRng&, Called&)>;
 
 // What one round of a batch did; its drafts are Rounds::drafted()[first, next round's first)
 struct RoundOut {
@@ -81,7 +96,12 @@ class Rounds {
     // llama.cpp pads the KV size; the engine holds a context to the n_ctx it asked for
     void limit(int which, int n_ctx) { side(which).n_ctx = std::min(side(which).n_ctx, n_ctx); }
     std::vector<llama_token> tokens(int which) { return side(which).tokens; }
-    void set_history(std::vector<llama_token> h) { history_ = std::move(h); }
+    void set_history(std::vector<llama_token> h) {
+        history_ = std::move(h);
+        call_seen_ = 0;
+    }
+    // the drafter of mode CALL: f runs once a round (with the GIL: module.cpp)
+    void set_call(call_fn f) { call_ = std::move(f); }
     int room() { return open_target().room(); }
     // the lookup drafter's n-gram sizes: its search runs here, on the history this loop holds (0, 0: off)
     void set_lookup(int ngram_min, int ngram_max);
@@ -123,7 +143,6 @@ class Rounds {
   private:
     void one_round(int max_n, RoundOut& r);
     int draft(int max_n, double conf);
-    int lookup(int max_n, std::vector<llama_token>& out);
     void see_offers();
     int behind() const;
     void put(int slot, double v) {
@@ -133,8 +152,7 @@ class Rounds {
     void propose_model(int max_n, bool guesses);
     llama_token pick(const float* row, llama_token guess, size_t j, double& conf);
     void add(llama_token tok, bool point, double conf);
-    void verify_greedy(int k, bool bonus, int& m, int& nxt);
-    void verify_sampled(int k, bool bonus, int& m, int& nxt);
+    void propose_called(int max_n);
 
     // the target's decode and rollback, and the draft context's, whether the target is split or not
     void target_decode(const llama_token* toks, int n, int n_logits);
@@ -166,6 +184,9 @@ class Rounds {
     std::vector<PendingOffer> offers_;  // lookup offers not yet resolved by emitted tokens
     bool covered(size_t start, const std::vector<llama_token>& toks) const;
     std::vector<llama_token> history_;
+    call_fn call_;          // mode CALL's drafter
+    size_t call_seen_ = 0;  // history tokens it has been given
+    Called called_;
 
     // the shared trunk (set_split)
     bool split_ = false;
@@ -199,9 +220,9 @@ class Rounds {
     std::vector<double> conf_;  // the controller's confidence in each draft
     std::vector<char> point_;   // 1: the draft was proposed deterministically (q = point mass)
     std::vector<Dist> q_;       // q of each draft (sampling with a draft model)
-    Dist p_;
-    std::vector<double> resid_, blocks_;
+    std::vector<double> blocks_;
     Probs probs_;
+    Verifier ver_;
 };
 
 }  // namespace eesd

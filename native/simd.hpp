@@ -4,7 +4,7 @@
 // Qwen2.5): everything here is written for one pass over the row, with loops that compilers
 // vectorise (no libm call in them) and, where they do not, explicit vectors. AVX-512 code sits
 // behind `#if defined(__AVX512F__)`; every function has a portable path that gives the same
-// result. The results agree with sampling.py to a few ulp, not to the bit (numpy's exp is a
+// result. The results agree with the NumPy reference (tests/reference.py) to a few ulp, not to the bit (numpy's exp is a
 // SIMD routine of its own); tokens agree unless a uniform draw falls within ~1e-15 of a
 // boundary of the inverse CDF.
 #pragma once
@@ -163,7 +163,7 @@ double exp_scaled(const T* x, int n, double m, double inv_t, double* out) {
     return s;
 }
 
-// sum_i exp(row[i] - m) for the draft's confidence q(argmax) = 1 / that sum (drafters/model.pick):
+// sum_i exp(row[i] - m) for the draft's confidence q(argmax) = 1 / that sum:
 // float32 exps summed in double, m >= every row[i] (a float logit). Agrees with the float64
 // figure to ~4e-7 relative: the confidence only steers the controller's draft length, never which
 // token is drafted or accepted, and float32 vectors hold twice the lanes of float64 ones.

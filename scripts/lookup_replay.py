@@ -32,15 +32,36 @@ import time
 
 import numpy as np
 
-from eesd_local.llama import costs
-from eesd_local.speculative.controllers import make_controller
-from eesd_local.speculative.drafters.lookup import LookupDrafter
-from eesd_local.speculative.engine import Engine, EngineConfig
-from eesd_local.speculative.events import TokenEvent
-from eesd_local.speculative.rounds import Hindsight, round_limit
-from eesd_local.tools.bench.prompts import load_prompts, spread
-from eesd_local.tools.registry import resolve_model
-from eesd_local.tools.weights import batch_costs
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))  # tests.reference
+
+from eesd_local.llama import costs, native  # noqa: E402
+from eesd_local.speculative.controllers import make_controller  # noqa: E402
+from eesd_local.speculative.drafters.base import Offer  # noqa: E402
+from eesd_local.speculative.engine import Engine, EngineConfig  # noqa: E402
+from eesd_local.speculative.events import TokenEvent  # noqa: E402
+from eesd_local.tools.bench.prompts import load_prompts, spread  # noqa: E402
+from eesd_local.tools.registry import resolve_model  # noqa: E402
+from eesd_local.tools.weights import batch_costs  # noqa: E402
+from tests.reference import Hindsight, round_limit  # noqa: E402
+
+
+class LookupDrafter:
+    """Prompt lookup as the round loop runs it (the extension's lookup), with the offers it makes."""
+
+    def __init__(self, ngram_max: int = 4) -> None:
+        self.ngram_max = ngram_max
+
+    def begin(self, prompt: list[int]) -> None:
+        pass
+
+    def lookup(self, history: list[int], max_n: int) -> tuple[list[int], int]:
+        cont, n, _ = native.require().lookup(history, 1, self.ngram_max, max_n)
+        return list(cont), n
+
+    def offer(self, history: list[int], max_n: int) -> Offer:
+        cont, n, match = native.require().lookup(history, 1, self.ngram_max, max_n)
+        conf = native.require().match_confidence(n, self.ngram_max) if cont else 0.0
+        return Offer(len(cont), conf, tokens=tuple(cont), match=match if cont else 0)
 
 
 def collect(args: argparse.Namespace) -> None:

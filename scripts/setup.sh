@@ -45,9 +45,9 @@ step "installing eesd-local with its train and dev extras (compiles the native r
 $PIP install --progress-bar on "setuptools>=68" wheel "pybind11>=2.12"
 $PIP install --progress-bar on --no-build-isolation -e '.[train,dev]'
 .venv/bin/python -c "import eesd_local.speculative.engine, eesd_chat.app" || { echo "install failed"; exit 1; }
-# the native round loop is optional: without it the engine runs the Python loop (same tokens, slower)
+# the round loop is the extension: without it nothing generates
 if ! why=$(.venv/bin/python -c "import eesd_local._native" 2>&1); then
-  echo "native round loop not built: $(printf '%s\n' "$why" | tail -n 1); the Python loop will run"
+  echo "the native round loop does not load: $(printf '%s\n' "$why" | tail -n 1)"; exit 1
 fi
 
 step "fetching the default demo model"

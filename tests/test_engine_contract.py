@@ -1,7 +1,7 @@
 """The engine never answers wrong and never takes the process down: one generation owns the
 contexts at a time, an abandoned or late-collected generator cannot corrupt the KV record,
 a closed engine raises EesdError, threads never reach llama.cpp twice at once, and bad input
-is a clear EesdError. Checked in both round loops on the real demo model."""
+is a clear EesdError. Checked on the real demo model."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 import eesd_local
 from eesd_local.base.errors import EesdError
-from eesd_local.speculative.drafters.base import SRC_ANY, DrafterBase, NativeSpec, Proposal
+from eesd_local.speculative.drafters.base import SRC_ANY, DrafterBase, Proposal
 from eesd_local.speculative.events import FinishEvent, TokenEvent
 
 from .conftest import QWEN05
@@ -31,13 +31,6 @@ PROMPTS = [
     "import os\nimport sys\n\ndef main():",
 ]
 MAX = 12
-
-
-@pytest.fixture(params=["native", "python"])
-def loop(request, monkeypatch):
-    if request.param == "python":
-        monkeypatch.setenv("EESD_NATIVE", "0")
-    return request.param
 
 
 def _open(drafter: str = "none", **kw) -> eesd_local.LLM:
@@ -75,7 +68,7 @@ def reference(references):
 
 
 @pytest.mark.parametrize("drafter", ["none", "lookup"])
-def test_abandoned_generator_does_not_corrupt_the_cache(loop, drafter, references):
+def test_abandoned_generator_does_not_corrupt_the_cache(drafter, references):
     # the reported bug: take 7 tokens of P, keep the generator, run Q, drop the generator, run P
     p, q = PROMPTS[0], PROMPTS[2]
     reference = references[drafter]
@@ -92,7 +85,7 @@ def test_abandoned_generator_does_not_corrupt_the_cache(loop, drafter, reference
         assert _toks(eng.generate(p, max_tokens=MAX))[0] == reference[p]
 
 
-def test_a_superseded_generator_raises_and_leaves_the_new_one_alone(loop, references):
+def test_a_superseded_generator_raises_and_leaves_the_new_one_alone(references):
     reference = references["lookup"]
     p, q = PROMPTS[0], PROMPTS[2]
     with _open("lookup") as eng:
@@ -106,7 +99,7 @@ def test_a_superseded_generator_raises_and_leaves_the_new_one_alone(loop, refere
         assert _toks(eng.generate(p, max_tokens=MAX))[0] == reference[p]
 
 
-def test_abandoned_stream_completion(loop, references):
+def test_abandoned_stream_completion(references):
     reference = references["lookup"]
     p, q = PROMPTS[0], PROMPTS[3]
     with _open("lookup") as eng:
@@ -119,7 +112,7 @@ def test_abandoned_stream_completion(loop, references):
         assert _toks(eng.generate(p, max_tokens=MAX))[0] == reference[p]
 
 
-def test_every_method_after_close_raises(loop):
+def test_every_method_after_close_raises():
     eng = _open()
     gen = eng.generate(PROMPTS[0], max_tokens=4)
     next(gen)
@@ -140,7 +133,7 @@ def test_every_method_after_close_raises(loop):
         eng2.run("x")
 
 
-def test_two_threads_never_reach_llama_cpp_at_once(loop, references):
+def test_two_threads_never_reach_llama_cpp_at_once(references):
     reference = references["lookup"]
     """run() from several threads: they wait for each other and all answer right."""
     errors: list[BaseException] = []
@@ -167,7 +160,7 @@ def test_two_threads_never_reach_llama_cpp_at_once(loop, references):
             assert eng.tokenize(eng.model.detokenize(reference[p])) == toks
 
 
-def test_two_streaming_threads_get_an_error_not_a_crash(loop):
+def test_two_streaming_threads_get_an_error_not_a_crash():
     """generate() streams from two threads at once: the older one is ended with an EesdError."""
     outcomes: list[str] = []
     with _open() as eng:
@@ -213,12 +206,12 @@ def test_bad_generate_arguments(bad, match):
 
 
 @pytest.mark.parametrize("draft_max", [0, -1, 1000])
-def test_draft_max_is_checked_the_same_in_both_loops(loop, draft_max):
+def test_draft_max_is_checked(draft_max):
     with pytest.raises(EesdError, match="draft"):
         _open("lookup", draft_max=draft_max)
 
 
-def test_a_full_context_says_so(loop):
+def test_a_full_context_says_so():
     with eesd_local.load(QWEN05, drafter="none", n_ctx=16) as eng:
         fin = eng.run("def f(a, b):", max_tokens=32)
         assert fin.reason == "context" and 0 < fin.stats.n_generated < 32
@@ -226,7 +219,7 @@ def test_a_full_context_says_so(loop):
         assert out["choices"][0]["finish_reason"] == "length"
 
 
-def test_randomised_interleaving(loop, reference):
+def test_randomised_interleaving(reference):
     """Many short greedy generations with random early breaks, abandoned and late-collected
     generators, cancels, closes and prompt-prefix reuse: every completed answer equals its
     fresh single-run answer, every cut-short one is a prefix of it, every stale generator
@@ -312,17 +305,12 @@ class _EveryOther(DrafterBase):
 
     name = "every-other"
 
-    def __init__(self, native: bool) -> None:
-        self._native = native
-
     def propose(self, history, want_more, max_n, params, rng, source=SRC_ANY):
         prop = Proposal()
         if max_n > 0 and len(history) >= 2 and want_more(0, 1.0):
             prop.add(history[-2], None, 0.5)
         return prop
 
-    def native(self):
-        return NativeSpec(lookup=(1, 2)) if self._native else None
 
 
 def test_a_drafter_object_without_the_protocol_is_one_clear_error():
@@ -336,13 +324,10 @@ def test_a_drafter_object_without_the_protocol_is_one_clear_error():
         _open(Half())
 
 
-@pytest.mark.parametrize("native", [False, True])
-def test_a_drafter_is_its_module(native, reference):
-    """A drafter object plugs in with no engine change; without a native form it runs in the
-    Python loop (and says so), with one it runs natively; greedy output stays plain decoding's."""
-    with _open(_EveryOther(native), controller="fixed:1") as eng:
+def test_a_drafter_is_its_module(reference):
+    """A drafter object written in Python plugs in with no engine change: the round loop calls it once a
+    round; greedy output stays plain decoding's."""
+    with _open(_EveryOther(), controller="fixed:1") as eng:
         toks, fin = _toks(eng.generate(PROMPTS[0], max_tokens=MAX))
-        want = "round loop: native" if native else "round loop: Python (the drafter every-other has no native form)"
-        assert eng.loop_note == want
         assert fin.stats.n_drafted > 0
         assert toks == reference[PROMPTS[0]]

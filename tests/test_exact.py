@@ -1,6 +1,6 @@
 """Greedy speculative output is byte-identical to plain decoding on the CPU (issue 28).
 
-Every drafter, both round loops, fixed and measured draft lengths, the split and the copied
+Every drafter, fixed and measured draft lengths, the split and the copied
 exit head: each answer of 42 prompts of every kind (chat, code, rewrites, long inputs that cross
 the KV cache's 256-cell padding, raw completions) must equal plain decoding's token for token,
 with the prompts run in another order than the reference's (an answer depends on its prompt
@@ -58,31 +58,26 @@ def plain() -> dict[str, list[int]]:
         return {p["id"]: _answer(eng, _tokens(eng, p))[0] for p in PROMPTS}
 
 
-CONFIGS = {  # name: (engine options, prompts, round loop)
-    "lookup": (dict(drafter="lookup"), PROMPTS, "native"),
-    "auto": (dict(drafter="auto"), PROMPTS, "native"),
-    "draft-model-itself": (dict(drafter="draft-model", draft_model=QWEN05, controller="fixed:8"), PROMPTS, "native"),
-    "lookup-python": (dict(drafter="lookup", controller="fixed:6"), SUB, "python"),
-    "eesd-split-fixed1": (dict(drafter="eesd", controller="fixed:1"), SUB, "native"),
-    "eesd-split-fixed6": (dict(drafter="eesd", controller="fixed:6"), SUB, "native"),
-    "eesd-split-python": (dict(drafter="eesd", controller="fixed:6"), SUB, "python"),
-    "eesd-copy": (dict(drafter="eesd", shared_trunk=False, controller="fixed:4"), SUB, "native"),
-    "hierarchical": (dict(drafter="hierarchical", controller="fixed:4"), SUB, "native"),
+CONFIGS = {  # name: (engine options, prompts)
+    "lookup": (dict(drafter="lookup"), PROMPTS),
+    "auto": (dict(drafter="auto"), PROMPTS),
+    "draft-model-itself": (dict(drafter="draft-model", draft_model=QWEN05, controller="fixed:8"), PROMPTS),
+    "eesd-split-fixed1": (dict(drafter="eesd", controller="fixed:1"), SUB),
+    "eesd-split-fixed6": (dict(drafter="eesd", controller="fixed:6"), SUB),
+    "eesd-copy": (dict(drafter="eesd", shared_trunk=False, controller="fixed:4"), SUB),
+    "hierarchical": (dict(drafter="hierarchical", controller="fixed:4"), SUB),
     # long drafts (issue 41): verify batches of up to 65 rows stay on the batch-invariant kernels
-    "lookup-long": (dict(drafter="lookup", draft_max=64, controller="fixed:64"), SUB, "native"),
-    "draft-model-itself-long": (dict(drafter="draft-model", draft_model=QWEN05, draft_max=31, controller="fixed:31"), SUB, "native"),
+    "lookup-long": (dict(drafter="lookup", draft_max=64, controller="fixed:64"), SUB),
+    "draft-model-itself-long": (dict(drafter="draft-model", draft_model=QWEN05, draft_max=31, controller="fixed:31"), SUB),
 }
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_greedy_output_is_byte_identical_to_plain_decoding(plain, name, monkeypatch):
-    opts, prompts, loop = CONFIGS[name]
-    if loop == "python":
-        monkeypatch.setenv("EESD_NATIVE", "0")
+def test_greedy_output_is_byte_identical_to_plain_decoding(plain, name):
+    opts, prompts = CONFIGS[name]
     drafted = accepted = 0
     with eesd_local.load(QWEN05, n_ctx=2048, **opts) as eng:
         assert eng.exact, eng.exact_note
-        assert eng.loop_note.endswith("native") == (loop == "native"), eng.loop_note
         for p in reversed(prompts):  # another order than the reference's: the cache held other prompts before
             got, fin = _answer(eng, _tokens(eng, p))
             assert got == plain[p["id"]], f"{name}: {p['id']} ({p['kind']}) differs at token " \

@@ -1,8 +1,11 @@
 """Prompt lookup learned in hindsight (issue 16): every offer is an observation of the draft it
 would have been, whatever the round drafted; acceptance is learned by match length, per request;
-both round loops report the same offers; auto switches from copying to writing on a real model."""
+the round loop's lookup and hindsight report what the references (tests/reference.py) report; auto
+switches from copying to writing on a real model."""
 
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 import pytest
@@ -10,7 +13,7 @@ from numpy.lib.recfunctions import structured_to_unstructured
 
 import eesd_local
 from eesd_local.gguf.tiny import write_tiny_gguf
-from eesd_local.llama import costs
+from eesd_local.llama import costs, native
 from eesd_local.speculative.controllers import layout as L
 from eesd_local.speculative.controllers import make_controller
 from eesd_local.speculative.controllers.thompson import (
@@ -20,9 +23,19 @@ from eesd_local.speculative.controllers.thompson import (
     match_class,
     match_prior_mean,
 )
-from eesd_local.speculative.drafters.lookup import MATCH_CAP, LookupDrafter
 from eesd_local.speculative.events import RoundEvent, TokenEvent
-from eesd_local.speculative.rounds import Hindsight, covers
+from tests.reference import MATCH_CAP, Hindsight, Lookup, covers, round_limit
+
+
+class LookupDrafter:
+    """The loop's prompt lookup (native/verify.hpp), as the tests below call it."""
+
+    def __init__(self, ngram_max: int = 4, ngram_min: int = 1) -> None:
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+
+    def lookup_match(self, history: list[int], max_n: int) -> tuple[list[int], int, int]:
+        cont, n, length = native.require().lookup(history, self.ngram_min, self.ngram_max, max_n)
+        return list(cont), n, length
 
 T = 0.02  # seconds of a plain target token in the made-up costs below
 
@@ -60,11 +73,12 @@ def test_lookup_reports_how_far_the_match_goes():
     hist = [10, 11, 12, 13, 14, 15, 16, 17, 99, 12, 13, 14, 15, 16]
     cont, n, length = d.lookup_match(hist, 3)
     assert (cont, n, length) == ([17, 99, 12], 4, 5)  # the 4-gram 13..16, and 12 before it too
-    offer = d.offer(hist, 3)
-    assert offer.tokens == (17, 99, 12) and offer.match == 5 and offer.n == 3
     long = list(range(40)) + [7] + list(range(40))
     assert d.lookup_match(long, 2)[2] == MATCH_CAP  # measured up to the cap
-    assert d.offer([1, 2, 3], 4) == d.offer([1, 2, 3], 4)._replace(n=0, confidence=0.0, tokens=(), match=0)
+    assert d.lookup_match([1, 2, 3], 4) == ([], 0, 0)
+    ref = Lookup(ngram_max=4)  # the n-gram index reference agrees
+    for h in (hist, long):
+        assert ref.lookup_match(h, 3) == d.lookup_match(h, 3)
 
 
 def test_an_ambiguous_ngram_counts_as_a_one_token_match():
@@ -81,6 +95,8 @@ def test_an_ambiguous_ngram_counts_as_a_one_token_match():
     d2 = LookupDrafter(ngram_max=4)
     hist = [7, 3, 4, 50, 0, 5, 3, 4, 60, 0, 8, 3, 4, 50, 0, 5, 3, 4]
     assert d2.lookup_match(hist, 1) == ([60], 4, 7)  # [3, 4] forked (50, 60, 50); [0, 5, 3, 4] did not
+    for h in (plain, forked, again, hist):
+        assert Lookup(ngram_max=4).lookup_match(h, 2) == d.lookup_match(h, 2)
 
 
 def _ambiguous_offers(history: list[int], start: int) -> int:
@@ -282,7 +298,7 @@ def test_who_learns_in_hindsight():
     assert np.array_equal(_lookup_state(nope)["bins"], _lookup_state(make_controller("cost-ts", sources=2))["bins"])
 
 
-# --- both round loops ------------------------------------------------------------------
+# --- the round loop against the reference ---------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -291,30 +307,37 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize("drafter", ["lookup", "auto"])
-def test_both_loops_report_the_same_offers(tiny, drafter, monkeypatch):
-    """With drafting priced out (a draft step taken to cost seconds) every round is plain in both
-    loops, so both see the same offers at the same places: the match classes they learn, and the
-    request's count of observations, must agree to the bit."""
-    pytest.importorskip("eesd_local._native", reason="the native extension is not built")
-    states = {}
-    for native in ("0", "1"):
-        monkeypatch.setenv("EESD_NATIVE", native)
-        with eesd_local.load(tiny, drafter=drafter, n_ctx=2048) as eng:
-            _lookup_state(eng.controller)["ema_t_draft"] = 1e3
-            evs = list(eng.generate(list(range(300, 340)) * 3, max_tokens=150))
-            assert eng.loop_note.startswith("round loop: native" if native == "1" else "round loop: Python")
-            assert sum(e.drafted for e in evs if isinstance(e, RoundEvent)) == 0
-            st = _lookup_state(eng.controller)
-            assert st["hindsight"] == 1.0
-            # the match classes and the request's ratio for long matches (the first position's triple)
-            states[native] = (_classes(st), float(st["req_seen"]),
-                              [e.token for e in evs if isinstance(e, TokenEvent)])
-    (b0, n0, t0), (b1, n1, t1) = states["0"], states["1"]
-    assert t0 == t1
-    assert n0 == n1 and n0 >= 10, "too few offers were resolved to compare the loops"
-    assert np.array_equal(b0, b1)
+def test_the_loop_reports_the_reference_offers(tiny, drafter):
+    """With drafting priced out (a draft step taken to cost seconds) every round is plain, one token each:
+    replaying the emitted tokens through the reference lookup (an n-gram index) and the reference hindsight
+    on a copy of the controller must give the match classes, and the request's count of observations, that
+    the loop's own lookup and hindsight gave, to the bit."""
     prompt = list(range(300, 340)) * 3
-    assert _ambiguous_offers(prompt + t0, len(prompt)) > 0, "no ambiguous n-gram was offered: the loops' rule is untested"
+    max_tokens, draft_max = 150, 8
+    with eesd_local.load(tiny, drafter=drafter, n_ctx=2048, draft_max=draft_max) as eng:
+        _lookup_state(eng.controller)["ema_t_draft"] = 1e3
+        ref = copy.deepcopy(eng.controller)
+        evs = list(eng.generate(prompt, max_tokens=max_tokens))
+        assert sum(e.drafted for e in evs if isinstance(e, RoundEvent)) == 0
+        st = _lookup_state(eng.controller)
+        assert st["hindsight"] == 1.0
+        got = (_classes(st), float(st["req_seen"]))
+        room = eng.ctx.n_ctx
+    toks = [e.token for e in evs if isinstance(e, TokenEvent)]
+    ref.begin_request()
+    assert ref.learn_in_hindsight(True)
+    hs, look = Hindsight(ref), Lookup()
+    for r in range(1, len(toks)):  # round r continues prompt + toks[:r] and emits toks[r]
+        hist = prompt + toks[:r]
+        hs.see(hist)
+        cont, _, match = look.lookup_match(hist, round_limit(draft_max, max_tokens - r, room - len(hist) + 1))
+        if cont:
+            hs.add(len(hist), tuple(cont), match)
+    want = _lookup_state(ref)
+    assert want["req_seen"] >= 10, "too few offers were resolved to compare"
+    assert float(want["req_seen"]) == got[1]
+    assert np.array_equal(_classes(want), got[0])
+    assert _ambiguous_offers(prompt + toks, len(prompt)) > 0, "no ambiguous n-gram was offered: the rule is untested"
 
 
 # --- a real model: writing, then copying --------------------------------------------

@@ -1,6 +1,8 @@
 """Speculative sampling keeps the target's distribution exactly (chi-square tests on the
 demo model's real logits), with temperature, top-k, top-p, reduced draft vocabularies
-and deterministic (lookup) proposals."""
+and deterministic (lookup) proposals. The verification tested is the round loop's own
+(native/verify.hpp, through the extension's ``verify``); the distributions it is held to are
+the NumPy references of tests/reference.py."""
 
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ import sys
 import numpy as np
 import pytest
 
+from eesd_local.llama import native
 from eesd_local.llama.runtime import Context, ContextParams, Model
-from eesd_local.speculative.sampling import SamplingParams, probs, sample, verify_greedy, verify_sampled
+from eesd_local.speculative.sampling import SamplingParams
+from tests.reference import probs, sample
 
 N_TRIALS = 6000
 V = 3000  # the maths does not depend on the vocabulary size: use the top tokens of a real row
@@ -54,9 +58,32 @@ def chi2_stat(counts: np.ndarray, p: np.ndarray) -> tuple[float, int]:
     return stat, len(obs_b) - 1
 
 
+class Verify:
+    """The round loop's verification, with its random stream carried from call to call."""
+
+    def __init__(self, seed: int) -> None:
+        self.state = seed
+
+    def sampled(self, target, drafts, qs, params, bonus=True):
+        m, tok, self.state = native.require().verify(np.asarray(target, dtype=np.float32), drafts, qs, params.temperature,
+                                                     params.top_k, params.top_p, self.state, bonus)
+        return m, tok
+
+
+def loop_probs(x, params):
+    """The round loop's processed distribution of one row."""
+    return native.require().probs(np.asarray(x, dtype=np.float32), params.temperature, params.top_k, params.top_p)
+
+
+def verify_greedy(target, drafts, bonus=True):
+    m, tok, _ = native.require().verify(np.asarray(target, dtype=np.float32), drafts, None, 0.0, 0, 1.0, 0, bonus)
+    return m, tok
+
+
 def run_spec(l1, l2, q_logits, params, *, point_mass=False, seed=0):
     """First and (when drafted tokens are all accepted) second emitted token over many trials."""
     rng = np.random.default_rng(seed)
+    ver = Verify(seed)
     q = probs(q_logits, params)
     first = np.zeros(len(l1), dtype=np.int64)
     second = np.zeros(len(l1), dtype=np.int64)
@@ -64,7 +91,7 @@ def run_spec(l1, l2, q_logits, params, *, point_mass=False, seed=0):
     accepted = 0
     for _ in range(N_TRIALS):
         d = int(np.argmax(q)) if point_mass else sample(q, rng)
-        m, tok = verify_sampled(target, [d], [None if point_mass else q], params, rng)
+        m, tok = ver.sampled(target, [d], [None if point_mass else q], params)
         if m == 1:
             accepted += 1
             first[d] += 1
@@ -131,14 +158,14 @@ def test_a_biased_rule_is_caught(rows):
 
 def test_probs_filters():
     x = np.array([3.0, 2.0, 1.0, 0.0, -1.0])
-    p = probs(x, SamplingParams(temperature=1.0, top_k=2))
+    p = loop_probs(x, SamplingParams(temperature=1.0, top_k=2))
     assert np.count_nonzero(p) == 2 and p[0] > p[1] > 0
     soft = np.exp(x - x.max()) / np.exp(x - x.max()).sum()  # 0.636, 0.234, 0.086, ...
-    p = probs(x, SamplingParams(temperature=1.0, top_p=0.8))
+    p = loop_probs(x, SamplingParams(temperature=1.0, top_p=0.8))
     assert np.count_nonzero(p) == 2  # 0.636 < 0.8 <= 0.87
-    p = probs(x, SamplingParams(temperature=0.5))
+    p = loop_probs(x, SamplingParams(temperature=0.5))
     assert p[0] > soft[0]
-    assert probs(x, SamplingParams(temperature=1.0)).sum() == pytest.approx(1.0)
+    assert loop_probs(x, SamplingParams(temperature=1.0)).sum() == pytest.approx(1.0)
 
 
 def test_a_probe_without_the_bonus_keeps_the_target_distribution(rows):
@@ -149,11 +176,12 @@ def test_a_probe_without_the_bonus_keeps_the_target_distribution(rows):
     noise = np.random.default_rng(1).normal(0, 1.5, size=l1.shape)
     q = probs(l1 + noise, params)
     rng = np.random.default_rng(6)
+    ver = Verify(6)
     counts = np.zeros(len(l1), dtype=np.int64)
     accepted = 0
     for _ in range(N_TRIALS):
         d = sample(q, rng)
-        m, tok = verify_sampled(l1[None, :], [d], [q], params, rng, bonus=False)
+        m, tok = ver.sampled(l1[None, :], [d], [q], params, bonus=False)
         assert (m, tok == -1) in ((1, True), (0, False))
         accepted += m
         counts[d if m else tok] += 1
@@ -177,8 +205,8 @@ def test_top_p_after_top_k_stays_within_the_top_k(rows):
     """llama.cpp's order: top-p works on the top-k survivors' own softmax, so it can only shrink them."""
     l1, _ = rows
     for k, p in [(5, 0.99), (40, 0.95), (40, 0.5)]:
-        both = probs(l1, SamplingParams(temperature=1.0, top_k=k, top_p=p))
-        only_k = probs(l1, SamplingParams(temperature=1.0, top_k=k))
+        both = loop_probs(l1, SamplingParams(temperature=1.0, top_k=k, top_p=p))
+        only_k = loop_probs(l1, SamplingParams(temperature=1.0, top_k=k))
         assert set(np.flatnonzero(both)) <= set(np.flatnonzero(only_k))
         w = np.sort(only_k)[::-1]
         want = int(np.searchsorted(np.cumsum(w), p * w.sum())) + 1

@@ -21,8 +21,9 @@ from eesd_local.gguf import reader as ggufread
 from eesd_local.llama import costs, trunk
 from eesd_local.llama.runtime import Context, ContextParams, Model
 from eesd_local.speculative.events import TokenEvent
-from eesd_local.speculative.sampling import SamplingParams, probs
+from eesd_local.speculative.sampling import SamplingParams
 from eesd_local.tools import heads
+from tests.reference import probs
 
 from .conftest import QWEN05
 from .test_sampling import chi2_critical, chi2_stat, run_spec

@@ -42,7 +42,6 @@ def run(args: argparse.Namespace) -> int:
         t_load = time.perf_counter() - t_load
         print(engine.drafter_note, file=sys.stderr)
         if args.verbose:
-            print(engine.loop_note, file=sys.stderr)
             print(exact_line(engine), file=sys.stderr)
         if args.chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]

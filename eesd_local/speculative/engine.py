@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from eesd_local.base.defaults import BATCH_MS, DRAFT_MAX, N_CTX, PREFILL_CHUNK
+from eesd_local.base.defaults import BATCH_MS, DRAFT_MAX, MAX_TOKENS, N_CTX, PREFILL_CHUNK, SEED, TEMPERATURE, TOP_K, TOP_P
 from eesd_local.base.errors import EesdError
 from eesd_local.base.params import (
     MAX_THREADS,
@@ -32,20 +32,19 @@ from eesd_local.base.params import (
     check_sampling,
     show,
 )
-from eesd_local.llama import costs
+from eesd_local.llama import costs, native
 from eesd_local.llama.catalog import resolve_model
 from eesd_local.llama.rpc import parse_endpoints
 from eesd_local.llama.runtime import Context, ContextParams, Detokenizer, Model, common_prefix, exactness
 from eesd_local.llama.trunk import open_split
 from eesd_local.speculative import chat as chat_mod
-from eesd_local.speculative import native_round
 from eesd_local.speculative.controllers import DEFAULT_CONTROLLER, make_controller
 from eesd_local.speculative.controllers import Controller as StateController
 from eesd_local.speculative.drafters import DRAFTERS, make_drafter, n_sources, placement, shared_trunk_plan
 from eesd_local.speculative.drafters.base import Drafter, NoDrafter
 from eesd_local.speculative.events import Event, FinishEvent, RoundEvent, Stats, TokenEvent
-from eesd_local.speculative.rounds import Controller, RoundLoop, round_limit
-from eesd_local.speculative.sampling import SamplingParams, Uniform, probs, sample
+from eesd_local.speculative.rounds import Controller, Rounds
+from eesd_local.speculative.sampling import SamplingParams, TokenRNG
 
 MAX_BATCH_MS = 3_600_000.0
 
@@ -62,7 +61,7 @@ class EngineConfig:
     n_gpu_layers: int = 0
     n_threads: int | None = None
     seed: int = 0  # the controller's seed
-    batch_ms: float = BATCH_MS  # native loop: run rounds this long before Python takes them; 0 = one at a time
+    batch_ms: float = BATCH_MS  # run rounds this long in C++ before Python takes them; 0 = one at a time
     # run the exit head on the target's own first N layers (trunk.py) rather than a separate copy of them:
     # None (default): for eesd and hierarchical, not for auto (on a CPU a split target's plain round costs
     # ~5% more, and auto mostly runs plain or lookup rounds there; its model drafter stays lazy instead)
@@ -103,9 +102,10 @@ class Engine:
         self._lock = threading.RLock()  # held while llama.cpp runs: one step of a generation, close, switches
         self._serial = threading.RLock()  # held by run() and whole completions: they wait for each other
         self._gen: _Generation | None = None  # the generation that owns the contexts
-        self._live: RoundLoop | None = None  # its round loop (for cancel)
+        self._live: Rounds | None = None  # its round loop (for cancel)
         self._cancel = False
         check_config(config)
+        native.require()  # the round loop: a missing build is an error here, before any model loads
         t = time.perf_counter()
         self.load_times: dict[str, float] = {}  # seconds per step of the load (eesd generate -v prints them)
 
@@ -147,13 +147,13 @@ class Engine:
         except BaseException:
             self.close()
             raise
-        self.loop_note = native_round.status(self.drafter)[1]  # which round loop runs, and why
         lap("controller")
 
     # --- the round loop --------------------------------------------------
 
-    def generate(self, prompt: str | list[int], *, max_tokens: int = 256, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int | None = None, stop: list[str] | str | None = None) -> Generator[Event, None, None]:
+    def generate(self, prompt: str | list[int], *, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE,
+                 top_k: int = TOP_K, top_p: float = TOP_P, seed: int | None = SEED,
+                 stop: list[str] | str | None = None) -> Generator[Event, None, None]:
         """Yield a TokenEvent per emitted token, a RoundEvent per round, and one FinishEvent."""
         s = check_sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop)
         params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
@@ -222,7 +222,7 @@ class Engine:
         text: list[str] = []
         history = list(prompt)
         reason = "length"
-        rounds: RoundLoop | None = None
+        rounds: Rounds | None = None
         t_start = 0.0
         try:
             t0 = time.perf_counter()
@@ -232,10 +232,10 @@ class Engine:
             drafter.begin(prompt)
             ctl.begin_request()
             share = drafter.weight_share  # a model drafter's weights over the target's
-            if share and n_fed >= 16 and hasattr(ctl, "prime_resume"):
+            if share and n_fed >= 16:
                 ctl.prime_resume(share * t_fed / n_fed)  # until measured: catching up ~ its share of a prefill
-            rounds, self.loop_note = native_round.open_loop(ctx, drafter, ctl, params, rng, draft_max=self.config.draft_max,
-                                                            batch_s=self.config.batch_ms / 1000.0)
+            rounds = Rounds(ctx, drafter, ctl, params, rng, draft_max=self.config.draft_max,
+                            batch_s=self.config.batch_ms / 1000.0)
             self._live = rounds
             stats.t_prefill = time.perf_counter() - t0
             t_start = time.perf_counter()
@@ -267,10 +267,9 @@ class Engine:
                 if room < 1:
                     reason = "context"  # the context is full: the answer stops short of max_tokens
                     break
-                # one round: draft, verify in one batch, accept, roll back (Python or native)
+                # one round: draft, verify in one batch, accept, roll back
                 round_no += 1
-                left = max_tokens - stats.n_generated
-                r = rounds.run(history, round_limit(self.config.draft_max, left, room), left)
+                r = rounds.run(history, max_tokens - stats.n_generated)
                 k, m = len(r.drafted), r.accepted
                 stats.t_draft += r.t_draft
                 stats.t_verify += r.t_verify
@@ -283,7 +282,7 @@ class Engine:
         finally:
             self._live = None
             if rounds is not None:
-                rounds.close()  # the native loop hands its KV records back to the contexts
+                rounds.close()  # the loop hands its KV records back to the contexts
             if ctx.ptr:  # the rollback always runs: the cache holds exactly the emitted history but `last`
                 ctx.trim(min(ctx.n_past, max(0, len(history) - 1)))
             stats.t_decode = time.perf_counter() - t_start if t_start else 0.0
@@ -322,10 +321,9 @@ class Engine:
             start = end
         return len(prompt) - keep
 
-    def _pick(self, logits: np.ndarray, params: SamplingParams, rng: Uniform) -> int:
-        if params.greedy:
-            return int(np.argmax(logits))
-        return sample(probs(logits, params), rng)
+    def _pick(self, logits: np.ndarray, params: SamplingParams, rng: TokenRNG) -> int:
+        tok, rng.state = native.require().pick(logits, params.temperature, params.top_k, params.top_p, rng.state)
+        return int(tok)
 
     def set_drafter(self, kind: str) -> str:
         """Switch to a drafter of ``kind`` on the same target (between requests); returns its note."""
@@ -339,7 +337,6 @@ class Engine:
             if n_sources(drafter) != n_sources(old) and (config.controller is None or isinstance(config.controller, str)):
                 # a drafter with another number of sources needs a controller that chooses between them
                 self.controller = self._new_controller(config.controller, n_sources(drafter))
-            self.loop_note = native_round.status(drafter)[1]
             return note
 
     def set_controller(self, spec: str) -> None:

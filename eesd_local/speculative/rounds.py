@@ -1,23 +1,40 @@
-"""The round contract: what a round loop is, what a round returns, and the rules both loops share.
+"""The round loop: one implementation, in C++ (``eesd_local._native``, native/rounds.cpp).
 
-A round: the drafter says what it has for free (:meth:`Drafter.offer`: lookup's match, how far a
-draft model is behind), the controller decides which source drafts and how far, the drafter proposes d1..dk, the target
-decodes [last, d1..dk] in ONE llama_decode, the accepted prefix plus one target token is
-emitted, and the target's KV cache is trimmed past it. :class:`PythonRounds` is the
-reference implementation; the native loop (:mod:`.native_round`) must give the same events
-for every drafter and is tested against it. The engine sees only :class:`RoundLoop`.
+A round: the drafter says what it has for free (lookup's match, how far a draft model is behind),
+the controller decides which source drafts and how far, the drafter proposes d1..dk, the target
+decodes [last, d1..dk] in ONE llama_decode (two with a split target: trunk, then tail), the
+accepted prefix plus one target token is emitted, and the target's KV cache is trimmed past it.
+Every rule of it lives in native/: the round limit, prompt lookup's match, hindsight over free
+offers, greedy and speculative-sampling verification, top-k/top-p, the random stream. The
+controller's decisions are the Numba kernels of :mod:`.controllers`, called through cfuncs.
+
+Which form a drafter takes is its own say (:meth:`Drafter.native`): a draft context drafting token
+by token, an n-gram lookup, both (hierarchical), the controller's choice of the two (auto), nothing
+(plain decoding), or a drafter written in Python, which the loop calls once a round.
+
+The extension keeps its own record of what each KV cache holds for the length of a generation:
+the record moves in when the rounds start and back into the Python contexts on :meth:`Rounds.close`.
 """
 
 from __future__ import annotations
 
-import time
-from typing import NamedTuple, Protocol
+from collections import deque
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from eesd_local.llama.runtime import Context
-from eesd_local.speculative.drafters.base import SRC_ANY, Drafter
-from eesd_local.speculative.sampling import SamplingParams, Uniform, verify_greedy, verify_sampled
+from eesd_local.base.errors import ContextFullError, EesdError
+from eesd_local.llama import native as native_ext
+from eesd_local.llama.ggmlapi import rpc_failures
+from eesd_local.llama.runtime import Context, check_rpc
+from eesd_local.speculative.controllers import layout as L
+from eesd_local.speculative.controllers.cfuncs import addresses, hindsight_address
+from eesd_local.speculative.drafters.base import SRC_ANY, SRC_LOOKUP, SRC_MODEL, Drafter, NativeSpec
+from eesd_local.speculative.sampling import SamplingParams, TokenRNG
+
+# the extension's drafting modes: nothing, n-gram lookup proposals, a draft context, the controller's
+# choice per round, a drafter written in Python
+NONE, POINT, MODEL, CHOOSE, CALL = 0, 1, 2, 3, 4
 
 
 class RoundResult(NamedTuple):
@@ -27,12 +44,12 @@ class RoundResult(NamedTuple):
     t_draft: float
     t_verify: float
     source: str = ""  # the source that drafted (lookup, eesd, ...); "" when nothing was drafted
-    rows: int = 0  # tokens in the verify batch [last, d1..]: k + 1, or k for a probe without the bonus (0: not told)
+    rows: int = 0  # tokens in the verify batch [last, d1..]: k + 1, or k for a probe without the bonus
 
 
 class Controller(Protocol):
     """A draft-length controller (:mod:`.controllers`): one float64 state array that its Numba
-    kernels update in place, so the native loop can run the same decisions through cfuncs."""
+    kernels update in place, so the native loop runs the same decisions through cfuncs."""
 
     name: str
     max_draft: int
@@ -48,139 +65,169 @@ class Controller(Protocol):
 
     def no_bonus(self) -> bool: ...
 
+    def learn_in_hindsight(self, on: bool) -> bool: ...
+
+    def prime_resume(self, seconds_per_token: float) -> None: ...
+
     def end_round(self, confidences: np.ndarray, n_accepted: int, t_draft: float, t_verify: float,
                   t_catchup: float = 0.0) -> None: ...
 
     def belief(self) -> dict[str, float]: ...
 
 
-class RoundLoop(Protocol):
-    """One generation's rounds over a target context that the loop owns until :meth:`close`."""
-
-    def run(self, history: list[int], max_n: int, left: int) -> RoundResult:
-        """One round continuing ``history`` (which ends with the last emitted token), drafting at
-        most ``max_n`` tokens; ``left``: tokens still wanted (a loop may run later rounds ahead)."""
-        ...
-
-    def room(self) -> int:
-        """Free target KV positions before the next round."""
-        ...
-
-    def belief(self) -> dict[str, float]:
-        """The controller's belief after the last round (for its RoundEvent)."""
-        ...
-
-    def cancel(self) -> None:
-        """Stop rounds that run ahead after the current one (thread-safe)."""
-        ...
-
-    def close(self) -> None:
-        """Hand the target context back with its record matching its KV cache exactly."""
-        ...
+def _mode(spec: NativeSpec) -> int:
+    if spec.python:
+        return CALL
+    if spec.choose:
+        return CHOOSE  # lookup alone or the draft context alone, as the controller's source says
+    if spec.draft_ctx is not None:
+        return MODEL  # guesses from spec.lookup, if any, are checked by the draft context (hierarchical)
+    return POINT if spec.lookup is not None else NONE
 
 
-class Hindsight:
-    """Prompt lookup's offers, each reported to the controller once its outcome is known.
-
-    An offer made at history length ``start`` (tokens t1..tn after a match of ``match`` tokens) is
-    resolved by the tokens the target emits after it, drafted or not: at the first one that differs
-    from the offer (m matched), or when all n matched. Pending offers (at most one per round, each
-    resolved within n emitted tokens) are dropped at a new request. The native loop keeps the same
-    record (native/rounds.cpp, ``Rounds::see_offers``); this one is the reference, and
-    tests/test_hindsight.py holds the two to the same reports."""
-
-    def __init__(self, controller: Controller) -> None:
-        self.ctl = controller
-        self.pending: list[tuple[int, tuple[int, ...], int]] = []
-
-    def clear(self) -> None:
-        self.pending.clear()
-
-    def add(self, start: int, tokens: tuple[int, ...], match: int) -> None:
-        """A new offer, unless a pending one already predicts its tokens (the same copy, offered again a
-        round later): the emitted tokens would be counted once per offer, and the copy's end, where the
-        longest matches stop, as many misses as there were rounds in it."""
-        if tokens and not any(covers(s, toks, start, tokens) for s, toks, _ in self.pending):
-            self.pending.append((start, tokens, match))
-
-    def see(self, history: list[int]) -> None:
-        """Report the offers this history resolves; keep the rest."""
-        keep = []
-        for start, toks, match in self.pending:
-            lim = min(len(history) - start, len(toks))
-            m = 0
-            while m < lim and history[start + m] == toks[m]:
-                m += 1
-            if m < lim or m == len(toks):
-                self.ctl.hindsight(match, len(toks), m)  # type: ignore[attr-defined]
-            else:
-                keep.append((start, toks, match))
-        self.pending = keep
+def _open(ctx: Context, what: str) -> int:
+    if not ctx.ptr:
+        raise EesdError(f"the {what} context is closed", hint="load the engine again")
+    return int(ctx.ptr)
 
 
-def covers(start0: int, toks0: tuple[int, ...] | list[int], start: int, toks: tuple[int, ...] | list[int]) -> bool:
-    """Whether the offer (start0, toks0), still pending (the history since start0 matched it), predicts the
-    offer (start, toks) wherever they overlap, and overlaps it at all."""
-    d = start - start0
-    if d <= 0 or d >= len(toks0):
-        return False
-    n = min(len(toks0) - d, len(toks))
-    return tuple(toks0[d:d + n]) == tuple(toks[:n])
+class _PythonDrafter:
+    """A drafter written in Python, as the loop calls it once a round: its offer, the controller's
+    begin and its proposal (the controller deciding token by token through ``draft_more``)."""
 
+    def __init__(self, drafter: Drafter, controller: Controller, params: SamplingParams, free_offers: bool) -> None:
+        self.drafter, self.ctl, self.params = drafter, controller, params
+        self.history: list[int] = []
+        self.choose = drafter.n_sources > 1
+        self.free_offers = free_offers
+        self.rng = TokenRNG(0)
 
-def round_limit(draft_max: int, left: int, room: int) -> int:
-    """Most tokens a round may draft: a round emits up to k + 1 tokens, so k <= left - 1
-    (tokens still wanted) and k <= room - 1 (free KV positions after `last`), and never
-    more than ``draft_max``. The C++ loop applies the same rule (tested against this one)."""
-    return max(0, min(draft_max, left - 1, room - 1))
-
-
-class PythonRounds:
-    """The reference round loop, one round per call."""
-
-    def __init__(self, ctx: Context, drafter: Drafter, controller: Controller, params: SamplingParams,
-                 rng: Uniform, *, hindsight: bool = False) -> None:
-        self.ctx, self.drafter, self.ctl, self.params, self.rng = ctx, drafter, controller, params, rng
-        self._hindsight = Hindsight(controller) if hindsight else None
-        self._choose = drafter.n_sources > 1
-
-    def room(self) -> int:
-        return self.ctx.room()
-
-    def run(self, history: list[int], max_n: int, left: int) -> RoundResult:
-        ctx, ctl, params = self.ctx, self.ctl, self.params
-        t1 = time.perf_counter()
-        # what is free to know before the round (lookup's match, a model's catch-up); optional for a drafter
-        if self._hindsight is not None:
-            self._hindsight.see(history)
+    def __call__(self, fresh: list[int], max_n: int, rng_state: int) -> tuple[Any, ...]:
+        history = self.history
+        history.extend(fresh)
         offer = self.drafter.offer(history, max_n)
-        if self._hindsight is not None:
-            self._hindsight.add(len(history), offer.tokens, offer.match)
-        ctl.begin_round(offer.n, offer.confidence, offer.behind, offer.match)
-        # the source the controller picked, where the drafter has several
-        prop = self.drafter.propose(history, ctl.draft_more, max_n, params, self.rng, source=ctl.source() if self._choose else SRC_ANY)
-        t2 = time.perf_counter()
-        k = len(prop)
-        # a probe verifies its drafts without the bonus: [last, d1..d(k-1)], k rows (plain decoding when k = 1)
-        bonus = k == 0 or not ctl.no_bonus()
-        n_rows = k + 1 if bonus else k
-        n_keep = ctx.n_past + 1  # the cache keeps `last` ...
-        ctx.decode([history[-1], *prop.tokens[: n_rows - 1]], n_logits=n_rows)
-        if params.greedy:
-            m, nxt = verify_greedy(np.stack([ctx.logits(i) for i in range(n_rows)]), prop.tokens, bonus)
-        else:
-            m, nxt = verify_sampled(ctx.logits_rows(), prop.tokens, prop.probs, params, self.rng, bonus)
-        ctx.trim(n_keep + min(m, n_rows - 1))  # ... and the accepted drafts it decoded; the rest is rolled back
-        t3 = time.perf_counter()
-        ctl.end_round(np.asarray(prop.confidences, dtype=np.float64), m, t2 - t1, t3 - t2, prop.t_catchup)
-        return RoundResult(prop.tokens, m, nxt, t2 - t1, t3 - t2, (prop.source or self.drafter.name) if k else "",
-                           n_rows)
+        self.ctl.begin_round(offer.n, offer.confidence, offer.behind, offer.match)
+        source = self.ctl.source() if self.choose else SRC_ANY
+        self.rng.state = rng_state
+        prop = self.drafter.propose(history, self.ctl.draft_more, max_n, self.params, self.rng, source=source)
+        qs = None if all(q is None for q in prop.probs) else list(prop.probs)
+        return (list(prop.tokens), [float(c) for c in prop.confidences], qs, float(prop.t_catchup),
+                source if self.choose else SRC_LOOKUP, list(offer.tokens) if self.free_offers else [], int(offer.match),
+                self.rng.state)
 
-    def belief(self) -> dict[str, float]:
-        return self.ctl.belief()
+
+class Rounds:
+    """One generation's rounds.
+
+    The extension runs rounds in batches: one call runs the rounds the engine would ask for next
+    (round r drafts at most ``round_limit(draft_max, left_r, room_r)``) until ``batch_s`` seconds have
+    passed, an end-of-generation token, or :meth:`cancel`; the engine then takes them one by one. So
+    Python runs once per batch rather than once per round: on a GPU, where a round takes a millisecond
+    or two, that is most of the time outside llama.cpp. ``batch_s=0``: one round per call.
+    """
+
+    def __init__(self, ctx: Context, drafter: Drafter, controller: Controller, params: SamplingParams, rng: TokenRNG,
+                 *, draft_max: int, batch_s: float = 0.0) -> None:
+        native = native_ext.require()
+        spec = drafter.native()
+        self.mode = _mode(spec)
+        self.draft_ctx = spec.draft_ctx
+        self.ctl, self.rng = controller, rng
+        self._native = native
+        # a drafter with free offers (prompt lookup, alone or in auto) has the controller learn from every
+        # offer in hindsight, where the controller can
+        hindsight = bool(controller.learn_in_hindsight(bool(drafter.free_offers)))
+        split = getattr(ctx, "trunk", None) is not None  # the shared trunk's split target (trunk.py)
+        if split:  # the loop runs the tail as the target and the trunk as the draft context, whatever drafts
+            self.draft_ctx, ctx = ctx.trunk, ctx.tail  # type: ignore[attr-defined]
+        self.ctx = ctx
+        draft = self.draft_ctx
+        slots = L.loop_slots()
+        self.rounds = native.Rounds(_open(ctx, "target"), ctx.n_batch, 0 if split or not draft else _open(draft, "draft"),
+                                    draft.n_batch if draft else 0, *addresses(), no_bonus_slot=slots["no_bonus"])
+        if split:
+            trunk: Any = draft
+            t = trunk.table
+            self.rounds.set_split(_open(trunk, "trunk"), trunk.n_batch, trunk.capture.user_data, t._raw.ctypes.data,
+                                  t.row_bytes, t.type, t.n_rows, t.n_embd, [int(v) for v in trunk.vocab],
+                                  int(trunk.target_model.ptr))
+        self.rounds.set_slots(slots["offer_n"], slots["offer_conf"], slots["behind"], slots["source"], slots["t_catchup"],
+                              slots["offer_match"])
+        if hindsight:
+            self.rounds.set_hindsight(hindsight_address())
+        if self.mode == CALL:
+            self.rounds.set_call(_PythonDrafter(drafter, controller, params, hindsight))
+        self._names = {s: drafter.source_name(s) for s in (SRC_LOOKUP, SRC_MODEL)}
+        for which, c in enumerate((ctx, draft)):
+            if c is not None:
+                self.rounds.set_tokens(which, c.tokens)
+                self.rounds.limit(which, c.n_ctx)
+        if spec.lookup is not None:  # the n-gram search runs in C++, on the history the extension holds
+            self.rounds.set_lookup(*spec.lookup)
+        self._started = False
+        self.draft_max = draft_max
+        # rounds run ahead, in order: (drafted, accepted, next token, t_draft, t_verify, the draft
+        # limit it ran with, free target KV positions before it, the source that drafted, rows)
+        self._queue: deque[tuple[list[int], int, int, float, float, int, int, int, int]] = deque()
+        self._cancel = np.zeros(1, dtype=np.uint8)  # read by the extension between rounds
+        self._belief: dict[str, float] | None = None  # the controller's belief after the current batch
+        self.rounds.configure(controller.state, self.mode, params.temperature, params.top_k, params.top_p, rng.state,
+                              batch_s, self._cancel)
+        self.t_llama = 0.0  # seconds inside llama_decode, both contexts (for overhead measurements)
+
+    def room(self) -> int:
+        """Free target KV positions before the next round (a queued one's, if any)."""
+        return self._queue[0][6] if self._queue else int(self.rounds.room())
 
     def cancel(self) -> None:
-        pass  # one round per call: the engine checks its own flag between rounds
+        """Stop a running batch after its current round (thread-safe)."""
+        self._cancel[0] = 1
+
+    def run(self, history: list[int], left: int) -> RoundResult:
+        """The next round continuing ``history`` (which ends with the last emitted token); ``left``:
+        tokens still wanted. A queued round, or the first of a new batch."""
+        if not self._queue:
+            self._fetch(history, left)
+            self._belief = None
+        drafted, m, nxt, t_draft, t_verify, _, _, src, rows = self._queue.popleft()
+        return RoundResult(drafted, m, nxt, t_draft, t_verify, self._names.get(src, "") if drafted else "", rows)
+
+    def belief(self) -> dict[str, float]:
+        """The controller's belief after the current batch: it changed in C++, round by round, but
+        Python sees it once a batch (so all rounds of a batch report this one)."""
+        if self._belief is None:
+            self._belief = self.ctl.belief()
+        return self._belief
+
+    def _fetch(self, history: list[int], left: int) -> None:
+        if not self._started:  # the history is known from the first round on; the extension extends it itself
+            self.rounds.set_history(history)
+            self._started = True
+        _open(self.ctx, "target")
+        if self.draft_ctx is not None:
+            _open(self.draft_ctx, "draft")
+        model = self.ctx.model
+        lost = rpc_failures() if model.rpc else 0
+        try:
+            batch = self.rounds.run_batch(len(history), self.draft_max, left, 1 << 20)
+        except self._native.ContextFull as exc:
+            raise ContextFullError(str(exc), hint="start a new conversation or pass a larger --n-ctx") from None
+        if model.rpc:
+            check_rpc(model, lost)  # a server lost during the batch: none of its rounds is taken
+        self._queue.extend(batch)
 
     def close(self) -> None:
-        pass  # every round left the context's record matching its cache
+        """Hand the KV records back to the Python contexts (the engine calls this before any other
+        generation touches them, so the records are the caches' own)."""
+        rounds = self.rounds
+        if rounds is None:
+            return
+        self.rounds = None
+        self.rng.state = rounds.rng_state()  # the random stream goes on where the batches left it
+        self.t_llama = rounds.t_llama
+        rounds.set_call(None)  # the Python drafter (and what it holds) is not kept alive by the extension
+        if self.ctx.ptr:
+            self.ctx.tokens[:] = rounds.tokens(0)
+        if self.draft_ctx is not None and self.draft_ctx.ptr:
+            self.draft_ctx.tokens[:] = rounds.tokens(1)
+        rounds.close()

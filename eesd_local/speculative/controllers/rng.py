@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+from eesd_local.llama import native
 from eesd_local.speculative.controllers.jitcache import kernel
 
 MASK32 = 0xFFFFFFFF
@@ -20,15 +21,12 @@ RNG_WORDS = 4
 
 
 def seed_words(seed: int) -> list[int]:
-    """Four non-zero 32-bit words from a seed, by splitmix64 (plain Python, run once)."""
+    """Four non-zero 32-bit words from a seed, by splitmix64 (the token sampler's generator, in native/probs.hpp)."""
+    splitmix64 = native.require().splitmix64
     x = seed & MASK64
     words: list[int] = []
     while len(words) < RNG_WORDS:
-        x = (x + 0x9E3779B97F4A7C15) & MASK64
-        z = x
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
-        z ^= z >> 31
+        z, x = splitmix64(x)
         words.extend([z & MASK32, z >> 32])
     if not any(words):
         words[0] = 1  # the all-zero state is the one fixed point of xoshiro

@@ -11,19 +11,9 @@ has a match, else the model.
 
 from __future__ import annotations
 
-from eesd_local.speculative.drafters.base import (
-    SRC_ANY,
-    SRC_LOOKUP,
-    SRC_MODEL,
-    DrafterBase,
-    NativeSpec,
-    Offer,
-    Proposal,
-    WantMore,
-)
+from eesd_local.speculative.drafters.base import SRC_LOOKUP, SRC_MODEL, DrafterBase, NativeSpec
 from eesd_local.speculative.drafters.lookup import LookupDrafter
 from eesd_local.speculative.drafters.model import ModelDrafter
-from eesd_local.speculative.sampling import SamplingParams, Uniform
 
 
 class AutoDrafter(DrafterBase):
@@ -34,31 +24,13 @@ class AutoDrafter(DrafterBase):
         self.model = model
         self.n_sources = 2 if model is not None else 1
         self.name = f"auto({self.lookup.name}+{model.name})" if model is not None else f"auto({self.lookup.name})"
-        self._offer = Offer()
         self.weight_share = model.weight_share if model is not None else 0.0
 
     def begin(self, prompt: list[int]) -> None:
-        # the model drafter is not fed the prompt here: it catches up when the controller first picks it,
-        # and that catch-up is charged to resuming it (so where it never pays, it costs no prefill)
-        self.lookup.begin(prompt)
+        pass  # the model drafter is not fed the prompt: it catches up when the controller first picks it, and that
+        # catch-up is charged to resuming it (so where it never pays, it costs no prefill)
 
-    def offer(self, history: list[int], max_n: int) -> Offer:
-        o = self.lookup.offer(history, max_n)
-        behind = self.model.behind(history) if self.model is not None else 0
-        self._offer = Offer(o.n, o.confidence, behind, o.tokens, o.match)
-        return self._offer
-
-    def propose(self, history: list[int], want_more: WantMore, max_n: int, params: SamplingParams,
-                rng: Uniform, source: int = SRC_ANY) -> Proposal:
-        if source == SRC_ANY:  # the controller does not choose: lookup when it found something
-            source = SRC_LOOKUP if self._offer.n > 0 or self.model is None else SRC_MODEL
-        if source == SRC_LOOKUP:
-            return self.lookup.propose(history, want_more, max_n, params, rng)
-        if source == SRC_MODEL and self.model is not None:
-            return self.model.propose(history, want_more, max_n, params, rng)
-        return Proposal()
-
-    def native(self) -> NativeSpec | None:
+    def native(self) -> NativeSpec:
         lookup = (self.lookup.ngram_min, self.lookup.ngram_max)
         return NativeSpec(draft_ctx=self.model.ctx if self.model is not None else None, lookup=lookup, choose=True)
 

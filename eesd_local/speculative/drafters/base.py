@@ -1,8 +1,11 @@
-"""The drafter protocol: begin with the prompt, propose tokens, say how the native loop drafts.
+"""The drafter protocol: begin with the prompt, say how the round loop drafts (:meth:`Drafter.native`).
 
-A drafter never touches the target. ``propose`` asks ``want_more(step, confidence)``
-(the controller) before each token and stops when it says no, so a round where the
-controller wants nothing costs the drafter nothing.
+A drafter never touches the target. The built-in drafters are forms the native round loop runs
+itself (a draft context, prompt lookup, both, or the controller's choice of the two). A drafter
+written in Python says ``NativeSpec(python=True)`` (:class:`DrafterBase`'s default) and the loop
+calls its :meth:`~Drafter.offer` and :meth:`~Drafter.propose` once a round; ``propose`` asks
+``want_more(step, confidence)`` (the controller) before each token and stops when it says no, so a
+round where the controller wants nothing costs the drafter nothing.
 """
 
 from __future__ import annotations
@@ -56,15 +59,14 @@ class Proposal:
 
 @dataclass(frozen=True)
 class NativeSpec:
-    """How the native round loop drafts what :meth:`Drafter.propose` would: with ``draft_ctx``
-    token by token (its guesses, if any, from ``lookup``), else from ``lookup`` alone, else nothing;
-    with ``choose``, each round from the source the controller picks.
-    The C++ side has one propose function per form; a drafter without a native form runs in
-    the Python loop."""
+    """How the round loop drafts: with ``draft_ctx`` token by token (its guesses, if any, from
+    ``lookup``), else from ``lookup`` alone, else nothing; with ``choose``, each round from the source
+    the controller picks; with ``python``, by calling the drafter's own offer and propose."""
 
     draft_ctx: Context | None = None  # a llama.cpp context drafting token by token
     lookup: tuple[int, int] | None = None  # (ngram_min, ngram_max) of a prompt lookup over the history
     choose: bool = False  # the controller picks the source each round: lookup alone, or draft_ctx alone
+    python: bool = False  # a drafter written in Python: offer() and propose() once a round
 
 
 class Drafter(Protocol):
@@ -73,7 +75,7 @@ class Drafter(Protocol):
 
     name: str
     n_sources: int  # sources the controller picks between each round (auto: 2); 1: it only sizes the drafts
-    free_offers: bool  # its offers are its proposals (prompt lookup): learned in hindsight (rounds.Hindsight)
+    free_offers: bool  # its offers are its proposals (prompt lookup): the controller learns from each in hindsight
     weight_share: float  # its own weights over the target's (what catching up costs); 0: none of its own
     drafts: bool  # False for plain decoding: nothing to plan, no cost profile to read
 
@@ -81,20 +83,21 @@ class Drafter(Protocol):
         """A new request whose history starts with ``prompt``."""
 
     def offer(self, history: list[int], max_n: int) -> Offer:
-        """What a round could have for free before the controller begins it (lookup's match, a model's
-        catch-up); ``Offer()``: nothing."""
+        """A drafter written in Python: what a round could have for free before the controller begins it
+        (a match, a model's catch-up); ``Offer()``: nothing. Not called for the loop's own forms."""
 
     def propose(self, history: list[int], want_more: WantMore, max_n: int, params: SamplingParams,
                 rng: Uniform, source: int = SRC_ANY) -> Proposal:
-        """Up to ``max_n`` tokens continuing ``history`` (which ends with the last emitted token), from
-        ``source`` (SRC_LOOKUP, SRC_MODEL, SRC_NONE: the controller's pick where ``n_sources`` > 1; SRC_ANY:
-        the drafter's own choice)."""
+        """A drafter written in Python: up to ``max_n`` tokens continuing ``history`` (which ends with the
+        last emitted token), from ``source`` (SRC_LOOKUP, SRC_MODEL, SRC_NONE: the controller's pick where
+        ``n_sources`` > 1; SRC_ANY: the drafter's own choice). Not called for the loop's own forms."""
 
     def source_name(self, source: int) -> str:
         """The name a round drafted from ``source`` shows (auto: "lookup" or the model's)."""
 
-    def native(self) -> NativeSpec | None:
-        """The native loop's form of this drafter, or None to run it in the Python loop."""
+    def native(self) -> NativeSpec:
+        """How the round loop drafts for this drafter (``NativeSpec(python=True)``: by calling offer and
+        propose)."""
 
     def close(self) -> None:
         """Free what the drafter holds."""
@@ -105,8 +108,9 @@ PROTOCOL_MEMBERS = ("name", "n_sources", "free_offers", "weight_share", "drafts"
 
 
 class DrafterBase:
-    """The protocol's defaults: one source, no free offers, no weights of its own, offers nothing, runs in the
-    Python loop, holds nothing. A drafter subclasses it and overrides what it has."""
+    """The protocol's defaults: one source, no free offers, no weights of its own, offers nothing, proposes
+    in Python (the loop calls it once a round), holds nothing. A drafter subclasses it and overrides what it
+    has."""
 
     name = "drafter"
     n_sources = 1
@@ -127,8 +131,8 @@ class DrafterBase:
     def source_name(self, source: int) -> str:
         return self.name
 
-    def native(self) -> NativeSpec | None:
-        return None
+    def native(self) -> NativeSpec:
+        return NativeSpec(python=True)
 
     def close(self) -> None:
         pass

@@ -9,16 +9,11 @@ nothing here.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
 from pathlib import Path
-
-import numpy as np
 
 from eesd_local.base.errors import EesdError
 from eesd_local.llama.runtime import Context, ContextParams, Model, common_prefix
-from eesd_local.speculative.drafters.base import SRC_ANY, DrafterBase, NativeSpec, Offer, Proposal, WantMore
-from eesd_local.speculative.sampling import SamplingParams, Uniform, probs, sample
+from eesd_local.speculative.drafters.base import DrafterBase, NativeSpec
 
 
 def check_same_vocab(target: Model, draft: Model, what: str) -> None:
@@ -28,30 +23,6 @@ def check_same_vocab(target: Model, draft: Model, what: str) -> None:
             f"({draft.n_vocab} vs {target.n_vocab} tokens)",
             hint="pick a draft model of the same family (same tokenizer), e.g. the 0.5B Qwen2.5-Coder for the 1.5B",
         )
-
-
-def pick(row: np.ndarray, guess: int | None, params: SamplingParams, rng: Uniform) -> tuple[int, np.ndarray | None, float]:
-    """(token, q, confidence) from a draft logit row; a guess is kept only as q allows.
-
-    Greedy: the argmax. Sampling: a token distributed exactly as q; with a guess g
-    (a deterministic proposal) g is kept with probability q(g), else a token is drawn
-    from q with g removed, which is speculative sampling one level down.
-    """
-    if params.greedy:
-        tok = int(np.argmax(row))
-        conf = float(1.0 / np.exp(row.astype(np.float64) - float(row[tok])).sum())
-        return tok, None, conf
-    q = probs(row, params)
-    if guess is not None:
-        if rng.random() < q[guess]:
-            return guess, q, float(q[guess])
-        residual = q.copy()
-        residual[guess] = 0.0
-        if residual.sum() > 0:
-            tok = sample(residual / residual.sum(), rng)
-            return tok, q, float(q[tok])
-    tok = sample(q, rng)
-    return tok, q, float(q[tok])
 
 
 class ModelDrafter(DrafterBase):
@@ -88,56 +59,7 @@ class ModelDrafter(DrafterBase):
         if n0 < len(prompt) - 1:
             ctx.decode(prompt[n0:-1])
 
-    def behind(self, history: list[int]) -> int:
-        """Tokens of ``history`` the draft context lacks, but the last one (which every draft step feeds)."""
-        return len(history) - 1 - min(common_prefix(self.ctx.tokens, history), len(history) - 1)
-
-    def offer(self, history: list[int], max_n: int) -> Offer:
-        return Offer(behind=self.behind(history))
-
-    def propose(self, history: list[int], want_more: WantMore, max_n: int, params: SamplingParams,
-                rng: Uniform, source: int = SRC_ANY, guess: Sequence[int] = ()) -> Proposal:
-        prop = Proposal(source=self.name)
-        if max_n <= 0 or not want_more(0, 1.0):
-            return prop
-        ctx = self.ctx
-        n0 = min(common_prefix(ctx.tokens, history), len(history) - 1)
-        ctx.trim(n0)
-        feed = history[n0:]
-        guesses = list(guess[: max(0, min(max_n, ctx.room() - len(feed)))])
-        if len(feed) + len(guesses) > ctx.room():
-            return prop
-        if len(feed) > 1:  # catching up on tokens emitted while it did not draft: timed apart (charged to resuming)
-            t0 = time.perf_counter()
-            ctx.decode(feed[:-1], n_logits=0)
-            prop.t_catchup = time.perf_counter() - t0
-            feed = feed[-1:]
-        ctx.decode(feed + guesses, n_logits=len(guesses) + 1)
-        # greedy on the shared trunk: argmax and confidence over the V' row itself, mapped to a target id
-        # (the same token as over the full row with -inf outside V', without writing 150k entries per step)
-        vmap = getattr(ctx, "vocab", None) if self.shared and params.greedy else None
-        row_of = getattr(ctx, "draft_logits") if vmap is not None else ctx.logits  # noqa: B009 (a TrunkContext's)
-        rows: list[np.ndarray] = [row_of(i) for i in range(len(guesses) + 1)] if guesses else [row_of(-1)]
-        while True:
-            j = len(prop)  # rows[j] is the distribution after history + prop
-            g = guesses[j] if j < len(guesses) else None
-            tok, q, conf = pick(rows[j], g, params, rng)
-            if vmap is not None:
-                tok = int(vmap[tok])
-            prop.add(tok, q, conf)
-            if len(prop) >= max_n or not want_more(len(prop), conf):
-                break
-            if tok == g and j + 1 < len(rows):
-                continue  # the next row was computed with g in place
-            ctx.trim(len(history) + j)  # drop the guesses from j on: the KV holds history + prop[:-1]
-            guesses = guesses[:j]
-            if ctx.room() < 1:
-                break
-            ctx.decode([tok])
-            rows = rows[: j + 1] + [row_of(-1)]
-        return prop
-
-    def native(self) -> NativeSpec | None:
+    def native(self) -> NativeSpec:
         return NativeSpec(draft_ctx=self.ctx)
 
     def close(self) -> None:
