@@ -20,6 +20,7 @@ from eesd_local.base.defaults import MAX_TOKENS, SEED, TEMPERATURE, TOP_K, TOP_P
 from eesd_local.base.params import ParamError, check_sampling, show
 from eesd_local.speculative.engine import Engine, EngineConfig
 from eesd_local.speculative.events import FinishEvent, TokenEvent
+from eesd_local.speculative.rounds import PREDICTION
 from eesd_local.tools.prepare import prepare
 
 
@@ -29,10 +30,11 @@ class LLM(Engine):
 
     def create_completion(self, prompt: str | list[int], *, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE,
                           top_p: float = TOP_P, top_k: int = TOP_K, seed: int | None = SEED,
-                          stop: list[str] | str | None = None, stream: bool = False) -> Any:
-        """A text completion of ``prompt``."""
+                          stop: list[str] | str | None = None, stream: bool = False, prediction: Any = None) -> Any:
+        """A text completion of ``prompt``. ``prediction``: the answer as you expect it (text, or OpenAI's
+        ``{"type": "content", "content": ...}``), drafted first wherever the answer follows it."""
         return completion(self, prompt, chat=False, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                          top_k=top_k, seed=seed, stop=stop, stream=stream)
+                          top_k=top_k, seed=seed, stop=stop, stream=stream, prediction=prediction)
 
     def create_chat_completion(self, messages: list[dict[str, str]], **kw: Any) -> Any:
         """A chat completion of ``messages`` through the model's chat template (the same
@@ -58,9 +60,34 @@ def _cut_stop(text: str, stop: list[str]) -> tuple[str, bool]:
     return (text[:cut], True) if cut >= 0 else (text, False)
 
 
-def _usage(fin: FinishEvent) -> dict[str, Any]:
+def _usage(fin: FinishEvent, predicted: bool = False) -> dict[str, Any]:
     s = fin.stats
-    return {"prompt_tokens": s.n_prompt, "completion_tokens": s.n_generated, "total_tokens": s.n_prompt + s.n_generated}
+    out: dict[str, Any] = {"prompt_tokens": s.n_prompt, "completion_tokens": s.n_generated,
+                           "total_tokens": s.n_prompt + s.n_generated}
+    if predicted:  # OpenAI's fields: predicted tokens the answer kept, and those verified and turned down
+        _, drafted, accepted = s.by_source.get(PREDICTION, (0, 0, 0))
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                            "rejected_prediction_tokens": drafted - accepted}
+    return out
+
+
+def prediction_text(prediction: Any) -> str | None:
+    """The text of a prediction: text itself, or OpenAI's ``{"type": "content", "content": text or
+    [{"type": "text", "text": ...}, ...]}``; None for none. A ParamError names what is wrong."""
+    if prediction is None or isinstance(prediction, str):
+        return prediction
+    if not isinstance(prediction, dict) or prediction.get("type") != "content" or set(prediction) - {"type", "content"}:
+        raise ParamError("prediction", "prediction must be {\"type\": \"content\", \"content\": TEXT}, "
+                         f"got {show(prediction)}")
+    content = prediction.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) and set(p) == {"type", "text"}
+            for p in content):
+        return "".join(p["text"] for p in content)
+    raise ParamError("prediction", "prediction.content must be text or a list of {\"type\": \"text\", \"text\": TEXT} "
+                     f"parts, got {show(content)}")
 
 
 def _speculation(fin: FinishEvent, note: str | None = None) -> dict[str, Any]:
@@ -89,7 +116,7 @@ def chat_template_note(engine: Engine) -> str | None:
 
 def completion(engine: Engine, prompt: Any, *, chat: bool, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE,
                top_p: float = TOP_P, top_k: int = TOP_K, seed: int | None = SEED, stop: list[str] | str | None = None,
-               stream: bool = False) -> Any:
+               stream: bool = False, prediction: Any = None) -> Any:
     """``prompt`` (messages when ``chat``) completed as OpenAI's API does; bad arguments raise EesdError
     here, before any chunk. A chat's message text is tokenized as text (Engine.chat_tokens): only the
     template's own markers are control tokens."""
@@ -100,12 +127,13 @@ def completion(engine: Engine, prompt: Any, *, chat: bool, max_tokens: int = MAX
     created = int(time.time())
     model = engine.model_path.name
     obj = "chat.completion" if chat else "text_completion"
+    predicted = prediction_text(prediction)
     options: dict[str, Any] = dict(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                                   seed=s.seed, stop=s.stop)
+                                   seed=s.seed, stop=s.stop, prediction=predicted)
     note = chat_template_note(engine) if chat else None
     if stream:  # as generate(): a stream started while another is open ends that one (README)
         events = engine.generate(engine.chat_tokens(prompt) if chat else prompt, **options)
-        return _stream(events, ident, created, model, obj, chat, s.stop, note)
+        return _stream(events, ident, created, model, obj, chat, s.stop, note, predicted is not None)
     fin = None
     # a whole completion holds the engine from its start to its end, as Engine.run: one started on another
     # thread meanwhile waits for it rather than ending it
@@ -122,11 +150,11 @@ def completion(engine: Engine, prompt: Any, *, chat: bool, max_tokens: int = MAX
     else:
         choice["text"] = text
     return {"id": ident, "object": obj, "created": created, "model": model, "choices": [choice],
-            "usage": _usage(fin), "speculation": _speculation(fin, note)}
+            "usage": _usage(fin, predicted is not None), "speculation": _speculation(fin, note)}
 
 
 def _stream(events: Iterator[Any], ident: str, created: int, model: str, obj: str, chat: bool,
-            stops: list[str], note: str | None = None) -> Iterator[dict[str, Any]]:
+            stops: list[str], note: str | None = None, predicted: bool = False) -> Iterator[dict[str, Any]]:
     """Chunks as text arrives; text that could start a stop string is held back until it cannot."""
     sent = ""
     full = ""
@@ -158,7 +186,7 @@ def _stream(events: Iterator[Any], ident: str, created: int, model: str, obj: st
                 visible, cut = _cut_stop(ev.text, stops)
                 rest = visible[len(sent):]
                 reason = "stop" if cut else ("length" if ev.reason in ("length", "context") else "stop")
-                yield chunk(rest, reason, {"usage": _usage(ev), "speculation": _speculation(ev, note)})
+                yield chunk(rest, reason, {"usage": _usage(ev, predicted), "speculation": _speculation(ev, note)})
     finally:
         close = getattr(events, "close", None)
         if close:

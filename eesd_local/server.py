@@ -40,7 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from eesd_local.api import completion
+from eesd_local.api import completion, prediction_text
 from eesd_local.base.defaults import SEED, SERVER_MAX_TOKENS, SERVER_TEMPERATURE, TOP_K, TOP_P
 from eesd_local.base.errors import EesdError
 from eesd_local.base.params import ParamError, check_int, check_optional_int, check_sampling, show
@@ -106,6 +106,7 @@ class _Sampling(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     speculation: Speculation | None = None
+    prediction: Any = None  # OpenAI's predicted outputs: {"type": "content", "content": ...} (api.prediction_text)
 
     @field_validator("stream_options", mode="before")
     @classmethod
@@ -125,7 +126,8 @@ class _Sampling(BaseModel):
         """The checked sampling options (keywords of api.completion); a ParamError names the bad one."""
         s = check_sampling(max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
                            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed, stop=self.stop)
-        return dict(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, stop=s.stop)
+        return dict(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed, stop=s.stop,
+                    prediction=prediction_text(self.prediction))
 
 
 class CompletionRequest(_Sampling):
@@ -188,7 +190,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "response_format": (None, {"type": "text"}),
     "audio": (None,),
     "modalities": (None, ["text"]),
-    "prediction": (None,),
 }
 
 
@@ -225,7 +226,7 @@ class ApiError(Exception):
 
 
 _FIELDS = ("speculation.drafter", "speculation.controller", "speculation.draft_max", "max_tokens", "temperature", "top_p",
-           "top_k", "seed", "stop", "max_completion_tokens")
+           "top_k", "seed", "stop", "max_completion_tokens", "prediction")
 
 
 def _bad_request(exc: EesdError, where: str) -> ApiError:

@@ -147,6 +147,9 @@ PYBIND11_MODULE(_native, m) {
             py::arg("offer_n"), py::arg("offer_conf"), py::arg("behind"), py::arg("source"), py::arg("t_catchup"),
             py::arg("offer_match") = -1,
             "Where the controller's state holds the offer, the chosen source and the catch-up seconds (-1: none).")
+        .def("set_reference", &PyRounds::set_reference, py::arg("reference"), py::arg("n_prompt"),
+             "The request's predicted output: tokens proposed like lookup's while the answer (from history position "
+             "n_prompt on) follows them; [] for none.")
         .def("set_call", &set_call, py::arg("call"),
              "Mode 4's drafter, written in Python: call(new history tokens, max_n, rng state) -> (tokens, confidences, "
              "[q or None] or None, t_catchup, source, offer tokens, offer match, rng state), once a round (None: unset).")

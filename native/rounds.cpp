@@ -26,20 +26,25 @@ void Rounds::one_round(int max_n, RoundOut& r) {
         // what is free to know before the round: lookup's match, how far the draft model is behind
         cands_.clear();
         double conf = 0.0;
-        if (ngram_max_ > 0 && mode_ != NONE) {
+        bool predicted = !ref_.empty() && propose_reference(max_n);
+        if (predicted) {
+            conf = match_confidence(std::min(match_len_, std::max(ngram_max_, 1)), std::max(ngram_max_, 1));
+        } else if (ngram_max_ > 0 && mode_ != NONE) {
             int n_match = lookup_match(history_.data(), static_cast<int>(history_.size()), ngram_min_, ngram_max_, max_n, cands_,
                                        match_len_);
             conf = match_confidence(n_match, ngram_max_);
         }
-        bool offers = mode_ == POINT || mode_ == CHOOSE;  // a hierarchical drafter's guesses are not free proposals
+        int mode = predicted && mode_ == NONE ? POINT : mode_;  // plain decoding drafts a prediction alone
+        bool offers = mode == POINT || mode == CHOOSE;  // a hierarchical drafter's guesses are not free proposals
         put(slots_.offer_n, offers ? static_cast<double>(cands_.size()) : 0.0);
         put(slots_.offer_conf, offers && !cands_.empty() ? conf : 0.0);
         put(slots_.offer_match, offers && !cands_.empty() ? static_cast<double>(match_len_) : 0.0);
         if (hindsight_ && offers && !cands_.empty() && !covered(history_.size(), cands_))
             offers_.push_back(PendingOffer{history_.size(), cands_, match_len_});
-        put(slots_.behind, (mode_ == MODEL || mode_ == CHOOSE) && dft_.ctx ? behind() : 0.0);
+        put(slots_.behind, (mode == MODEL || mode == CHOOSE) && dft_.ctx ? behind() : 0.0);
         begin_(st_, n_st_);
-        r.src = draft(max_n, conf);
+        r.src = draft(max_n, conf, mode);
+        if (predicted && r.src == SRC_LOOKUP) r.src = SRC_PREDICTION;
     }
     double t2 = now_s();
     int k = static_cast<int>(drafted_.size());
@@ -111,18 +116,18 @@ void Rounds::run_batch(size_t n_history, int draft_max, int left, int max_rounds
 
 // d1..dk into drafted_, with the controller's confidence in each and whether it is a point proposal;
 // returns the source that drafted (cands_ holds the lookup's proposals already)
-int Rounds::draft(int max_n, double conf) {
+int Rounds::draft(int max_n, double conf, int mode) {
     drafted_.clear();
     conf_.clear();
     point_.clear();
-    int src = mode_ == POINT ? SRC_LOOKUP : mode_ == MODEL ? SRC_MODEL : SRC_NONE;
-    if (mode_ == CHOOSE) {
+    int src = mode == POINT ? SRC_LOOKUP : mode == MODEL ? SRC_MODEL : SRC_NONE;
+    if (mode == CHOOSE) {
         src = slots_.source >= 0 && slots_.source < n_st_ ? static_cast<int>(st_[slots_.source]) : SRC_ANY;
         if (src == SRC_ANY) src = !cands_.empty() || !dft_.ctx ? SRC_LOOKUP : SRC_MODEL;  // a baseline controller does not choose
         if (src == SRC_MODEL && !dft_.ctx) src = SRC_NONE;
     }
     if (src == SRC_LOOKUP) propose_point(max_n, conf);
-    if (src == SRC_MODEL) propose_model(max_n, mode_ == MODEL);  // hierarchical: the lookup's proposals are its guesses
+    if (src == SRC_MODEL) propose_model(max_n, mode == MODEL);  // hierarchical: the lookup's proposals are its guesses
     return src;
 }
 
@@ -138,6 +143,23 @@ void Rounds::add(llama_token tok, bool point, double conf) {
     drafted_.push_back(tok);
     point_.push_back(point);
     conf_.push_back(conf);
+}
+
+// the prediction's continuation into cands_ (and match_len_), where the answer follows it; false: it does not
+bool Rounds::propose_reference(int max_n) {
+    int len = static_cast<int>(history_.size());
+    int n_answer = len - static_cast<int>(std::min(ref_prompt_, history_.size()));
+    int match = 0;
+    int expect = ref_expect_ + (len - ref_expect_len_);  // the answer moved on since the last alignment
+    int at = reference_at(history_.data(), len, n_answer, ref_.data(), static_cast<int>(ref_.size()), expect, REF_MIN_MATCH,
+                          MATCH_CAP, match);
+    if (at < 0) return false;
+    ref_expect_ = at;
+    ref_expect_len_ = len;
+    int end = std::min(static_cast<int>(ref_.size()), at + std::max(0, max_n));
+    cands_.assign(ref_.begin() + at, ref_.begin() + end);
+    match_len_ = match;
+    return !cands_.empty();
 }
 
 // a pending offer already predicts this one's tokens wherever they overlap (the same copy,

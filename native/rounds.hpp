@@ -44,6 +44,11 @@ using hindsight_fn = void (*)(double*, int64_t, int64_t, int64_t, int64_t);
 enum Mode { NONE = 0, POINT = 1, MODEL = 2, CHOOSE = 3, CALL = 4 };
 // the sources, as the controller's SOURCE slot numbers them (controllers/layout.py SRC_*)
 enum Source { SRC_ANY = -2, SRC_NONE = -1, SRC_LOOKUP = 0, SRC_MODEL = 1 };
+// what a round reports when its lookup proposals came from the request's prediction (the controller sees
+// them as lookup's: free proposals)
+constexpr int SRC_PREDICTION = 2;
+// a prediction realigns with the answer on a match of at least this many tokens
+constexpr int REF_MIN_MATCH = 3;
 
 // state slots the loop writes before a round (the offer), reads after begin (source) and writes
 // before update (catch-up seconds); -1: not written (controllers/layout.py)
@@ -100,6 +105,14 @@ class Rounds {
         history_ = std::move(h);
         call_seen_ = 0;
     }
+    // the request's predicted output (OpenAI's predicted outputs): the answer's expected tokens, proposed like
+    // lookup's while the answer follows them (n_prompt: where the answer starts in the history); empty: none
+    void set_reference(std::vector<llama_token> ref, size_t n_prompt) {
+        ref_ = std::move(ref);
+        ref_prompt_ = n_prompt;
+        ref_expect_ = 0;
+        ref_expect_len_ = static_cast<int>(n_prompt);
+    }
     // the drafter of mode CALL: f runs once a round (with the GIL: module.cpp)
     void set_call(call_fn f) { call_ = std::move(f); }
     int room() { return open_target().room(); }
@@ -142,7 +155,7 @@ class Rounds {
 
   private:
     void one_round(int max_n, RoundOut& r);
-    int draft(int max_n, double conf);
+    int draft(int max_n, double conf, int mode);
     void see_offers();
     int behind() const;
     void put(int slot, double v) {
@@ -153,6 +166,7 @@ class Rounds {
     llama_token pick(const float* row, llama_token guess, size_t j, double& conf);
     void add(llama_token tok, bool point, double conf);
     void propose_called(int max_n);
+    bool propose_reference(int max_n);
 
     // the target's decode and rollback, and the draft context's, whether the target is split or not
     void target_decode(const llama_token* toks, int n, int n_logits);
@@ -184,6 +198,10 @@ class Rounds {
     std::vector<PendingOffer> offers_;  // lookup offers not yet resolved by emitted tokens
     bool covered(size_t start, const std::vector<llama_token>& toks) const;
     std::vector<llama_token> history_;
+    std::vector<llama_token> ref_;  // the request's prediction (set_reference)
+    size_t ref_prompt_ = 0;
+    int ref_expect_ = 0;            // where in ref_ the last alignment said the answer goes on,
+    int ref_expect_len_ = 0;        // at this history length
     call_fn call_;          // mode CALL's drafter
     size_t call_seen_ = 0;  // history tokens it has been given
     Called called_;

@@ -7,6 +7,7 @@
 #include <llama.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -52,6 +53,29 @@ inline int lookup_match(const llama_token* h, int len, int ngram_min, int ngram_
     int end = std::min(len, best_e + 1 + std::max(0, max_n));
     out.assign(h + best_e + 1, h + end);
     return best_n;
+}
+
+// A predicted continuation (OpenAI's predicted outputs): where in ref[0..rlen) the history h[0..len) goes on.
+// aligned: the answer so far (n_answer tokens, the end of h) is ref's start: it goes on at n_answer, and its
+// match is the whole answer. Else the longest suffix of h (at least min_match tokens, measured up to cap)
+// that ends somewhere in ref: ties go to the end nearest to `expect` (where the last alignment said the
+// answer would be now). Returns where it goes on (-1: nowhere); match: the match's length.
+inline int reference_at(const llama_token* h, int len, int n_answer, const llama_token* r, int rlen, int expect, int min_match,
+                        int cap, int& match) {
+    match = 0;
+    if (n_answer <= rlen && std::equal(h + len - n_answer, h + len, r)) {
+        match = std::min(cap, std::max(n_answer, 1));
+        return n_answer < rlen ? n_answer : -1;
+    }
+    int best = -1, best_l = 0;
+    for (int e = 0; e + 1 < rlen; e++) {  // ref[e] matches the history's last token: goes on at e + 1
+        int l = 0;
+        while (l < cap && l <= e && l < len && r[e - l] == h[len - 1 - l]) l++;
+        if (l < min_match) continue;
+        if (l > best_l || (l == best_l && std::abs(e + 1 - expect) < std::abs(best - expect))) best_l = l, best = e + 1;
+    }
+    match = best_l;
+    return best;
 }
 
 // the confidence of a matched n-gram, strictly inside (0, 1) so the controller tells it from "unknown"

@@ -425,3 +425,29 @@ def test_cancel_stops_a_running_batch(tiny):
         timer.join()
     assert fin.reason == "cancelled"
     assert 0 < fin.stats.n_generated < full - 100, (fin.stats.n_generated, full)
+
+
+# --- a prediction (OpenAI's predicted outputs) --------------------------------------------
+
+
+@pytest.mark.parametrize("drafter", ["none", "lookup", "auto"])
+def test_a_prediction_drafts_and_changes_nothing(tiny, drafter):
+    """The answer's expected tokens are proposed where the answer follows them, realigned after a stretch
+    where it does not (an edit), and the output is the one without them, greedy and sampled."""
+    target, _ = tiny
+    with eesd_local.load(target, drafter=drafter, n_ctx=2048, controller="fixed:8") as eng:
+        want = eng.run(TINY_PROMPT, max_tokens=120)
+        answer = [e.token for e in eng.generate(TINY_PROMPT, max_tokens=120) if isinstance(e, TokenEvent)]
+        edited = answer[:40] + [7, 8, 9, 10, 11] + answer[50:]  # ten tokens replaced by five others
+        got = eng.run(TINY_PROMPT, max_tokens=120, prediction=edited)
+        assert got.text == want.text
+        rounds, drafted, accepted = got.stats.by_source["prediction"]
+        assert accepted >= 90 and drafted > accepted, got.stats.by_source  # it missed at the edit, then went on
+        sampled = [eng.run(TINY_PROMPT, max_tokens=60, temperature=0.8, seed=9, prediction=edited) for _ in range(2)]
+        assert sampled[0].text == sampled[1].text
+        with pytest.raises(EesdError, match="prediction"):
+            eng.run(TINY_PROMPT, max_tokens=4, prediction=[1, 2, 10**7])
+        with pytest.raises(EesdError, match="prediction must be text"):
+            eng.run(TINY_PROMPT, max_tokens=4, prediction=3.5)
+        with pytest.raises(EesdError, match="the prediction has"):
+            eng.run(TINY_PROMPT, max_tokens=4, prediction=[5] * 5000)

@@ -146,6 +146,41 @@ def test_the_openai_client_gets_what_the_engine_says(server, engine, greedy):
     assert out.model_extra["speculation"]["drafter"] == "lookup"
 
 
+FUNC = """def merge_intervals(intervals):
+    intervals = sorted(intervals, key=lambda iv: iv[0])
+    merged = []
+    for start, end in intervals:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+"""
+EDIT = [{"role": "user", "content": "Rename `merged` to `out` in this function. Reply with the code only.\n\n```python\n"
+         + FUNC + "```"}]
+
+
+def test_the_openai_client_sends_a_prediction(server, engine):
+    """OpenAI's predicted outputs through the official client: the answer is the one without the prediction,
+    and the usage says how many predicted tokens the answer kept and how many were turned down."""
+    want = engine.create_chat_completion(EDIT, max_tokens=120, temperature=0)["choices"][0]["message"]["content"]
+    client = server.client()
+    out = client.chat.completions.create(model=QWEN05, messages=EDIT, max_tokens=120, temperature=0,
+                                         prediction={"type": "content", "content": "```python\n" + FUNC + "```"})
+    assert out.choices[0].message.content == want
+    d = out.usage.completion_tokens_details
+    assert d.accepted_prediction_tokens >= 30, d
+    assert d.accepted_prediction_tokens <= out.usage.completion_tokens and d.rejected_prediction_tokens >= 0
+    assert out.model_extra["speculation"]["accepted"] >= d.accepted_prediction_tokens
+    parts = {"type": "content", "content": [{"type": "text", "text": "```python\n"}, {"type": "text", "text": FUNC + "```"}]}
+    chunks = list(client.chat.completions.create(model=QWEN05, messages=EDIT, max_tokens=120, temperature=0, stream=True,
+                                                 prediction=parts))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens >= 30  # (the controller learns between)
+    plain = client.chat.completions.create(model=QWEN05, messages=EDIT, max_tokens=120, temperature=0)
+    assert plain.choices[0].message.content == want and plain.usage.completion_tokens_details is None
+
+
 def test_a_stream_is_server_sent_events_ending_in_done(server):
     with httpx.stream("POST", server.url + "/v1/completions", timeout=300,
                       json={"prompt": PROMPTS[2], "max_tokens": 8, "temperature": 0, "stream": True}) as r:
@@ -251,6 +286,11 @@ BAD = [  # (body, param)
     (b'{"prompt": "x", "speculation": {"controller": "nope"}}', "speculation.controller"),
     (b'{"prompt": "x", "speculation": {"draft_max": 0}}', "speculation.draft_max"),
     (b'{"prompt": "x", "speculation": {"draft_max": 100000}}', "speculation.draft_max"),
+    (b'{"prompt": "x", "prediction": 5}', "prediction"),
+    (b'{"prompt": "x", "prediction": {"type": "content", "content": [{"type": "image_url", "image_url": "x"}]}}', "prediction"),
+    (b'{"prompt": "x", "prediction": {"type": "text", "content": "x"}}', "prediction"),
+    (b'{"prompt": "x", "prediction": {"type": "content", "content": "\\ud800"}}', "prediction"),
+    (json.dumps({"prompt": "x", "prediction": {"type": "content", "content": "word " * 1100}}).encode(), "prediction"),
     (b'{"max_tokens": 4}', "prompt"),
     (b'{"prompt": ""}', "prompt"),
     (b'{"prompt": [1, 2, 99999999]}', "prompt"),

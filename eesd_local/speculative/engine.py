@@ -153,8 +153,13 @@ class Engine:
 
     def generate(self, prompt: str | list[int], *, max_tokens: int = MAX_TOKENS, temperature: float = TEMPERATURE,
                  top_k: int = TOP_K, top_p: float = TOP_P, seed: int | None = SEED,
-                 stop: list[str] | str | None = None) -> Generator[Event, None, None]:
-        """Yield a TokenEvent per emitted token, a RoundEvent per round, and one FinishEvent."""
+                 stop: list[str] | str | None = None,
+                 prediction: str | list[int] | None = None) -> Generator[Event, None, None]:
+        """Yield a TokenEvent per emitted token, a RoundEvent per round, and one FinishEvent.
+
+        ``prediction``: the answer as the caller expects it (OpenAI's predicted outputs: the file an edit
+        changes a little), text or token ids. Its tokens are proposed first, free like prompt lookup's,
+        wherever the answer follows them; the output is what it would be without it."""
         s = check_sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop)
         params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
         max_tokens, stops = s.max_tokens, s.stop
@@ -162,9 +167,10 @@ class Engine:
             with self._lock:
                 self._check_open()
                 tokens = self._prompt_tokens(prompt)
+                predicted = self._prediction_tokens(prediction)
                 self._end_generation("a newer generation started on the same engine")
                 self._cancel = False  # here, not in _run: a cancel() before the first next() still counts
-                gen = self._gen = _Generation(self._run(tokens, max_tokens, params, stops))
+                gen = self._gen = _Generation(self._run(tokens, max_tokens, params, stops, predicted))
         return self._step(gen)
 
     def _step(self, gen: _Generation) -> Generator[Event, None, None]:
@@ -214,7 +220,28 @@ class Engine:
             )
         return tokens
 
-    def _run(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop: list[str]) -> Generator[Event, None, None]:
+    def _prediction_tokens(self, prediction: Any) -> list[int] | None:
+        if prediction is None:
+            return None
+        if isinstance(prediction, str):
+            try:
+                tokens = self.model.tokenize(prediction, add_special=False, parse_special=False)
+            except EesdError as exc:
+                raise ParamError("prediction", f"the prediction: {exc.message}", hint=exc.hint) from None
+        elif isinstance(prediction, list | tuple) and all(isinstance(t, int | np.integer) and not isinstance(t, bool)
+                                                         for t in prediction):
+            tokens = [int(t) for t in prediction]
+            for i, t in enumerate(tokens):
+                self.model.check_token(t, f" at prediction position {i}")
+        else:
+            raise ParamError("prediction", f"prediction must be text or a list of token ids, got {show(prediction)}")
+        if len(tokens) > self.ctx.n_ctx:
+            raise ParamError("prediction", f"the prediction has {len(tokens)} tokens but the context holds {self.ctx.n_ctx}",
+                             hint="predict only the answer (e.g. the file being edited), or pass a larger --n-ctx")
+        return tokens
+
+    def _run(self, prompt: list[int], max_tokens: int, params: SamplingParams, stop: list[str],
+             prediction: list[int] | None = None) -> Generator[Event, None, None]:
         ctx, model, drafter, ctl = self.ctx, self.model, self.drafter, self.controller
         rng = params.rng()
         stats = Stats(n_prompt=len(prompt), drafter=drafter.name, controller=ctl.name, exact=self.exact)
@@ -235,7 +262,7 @@ class Engine:
             if share and n_fed >= 16:
                 ctl.prime_resume(share * t_fed / n_fed)  # until measured: catching up ~ its share of a prefill
             rounds = Rounds(ctx, drafter, ctl, params, rng, draft_max=self.config.draft_max,
-                            batch_s=self.config.batch_ms / 1000.0)
+                            batch_s=self.config.batch_ms / 1000.0, prediction=prediction, n_prompt=len(prompt))
             self._live = rounds
             stats.t_prefill = time.perf_counter() - t0
             t_start = time.perf_counter()

@@ -35,6 +35,8 @@ from eesd_local.speculative.sampling import SamplingParams, TokenRNG
 # the extension's drafting modes: nothing, n-gram lookup proposals, a draft context, the controller's
 # choice per round, a drafter written in Python
 NONE, POINT, MODEL, CHOOSE, CALL = 0, 1, 2, 3, 4
+SRC_PREDICTION = 2  # a round whose lookup proposals came from the request's prediction (native/rounds.hpp)
+PREDICTION = "prediction"  # its source's name in events and statistics
 
 
 class RoundResult(NamedTuple):
@@ -127,7 +129,7 @@ class Rounds:
     """
 
     def __init__(self, ctx: Context, drafter: Drafter, controller: Controller, params: SamplingParams, rng: TokenRNG,
-                 *, draft_max: int, batch_s: float = 0.0) -> None:
+                 *, draft_max: int, batch_s: float = 0.0, prediction: list[int] | None = None, n_prompt: int = 0) -> None:
         native = native_ext.require()
         spec = drafter.native()
         self.mode = _mode(spec)
@@ -158,6 +160,9 @@ class Rounds:
         if self.mode == CALL:
             self.rounds.set_call(_PythonDrafter(drafter, controller, params, hindsight))
         self._names = {s: drafter.source_name(s) for s in (SRC_LOOKUP, SRC_MODEL)}
+        self._names[SRC_PREDICTION] = PREDICTION
+        if prediction and self.mode != CALL:  # the answer's expected tokens, proposed where the answer follows them
+            self.rounds.set_reference(prediction, n_prompt)
         for which, c in enumerate((ctx, draft)):
             if c is not None:
                 self.rounds.set_tokens(which, c.tokens)
