@@ -63,7 +63,8 @@ def _cut_stop(text: str, stop: list[str]) -> tuple[str, bool]:
 def _usage(fin: FinishEvent, predicted: bool = False) -> dict[str, Any]:
     s = fin.stats
     out: dict[str, Any] = {"prompt_tokens": s.n_prompt, "completion_tokens": s.n_generated,
-                           "total_tokens": s.n_prompt + s.n_generated}
+                           "total_tokens": s.n_prompt + s.n_generated,
+                           "prompt_tokens_details": {"cached_tokens": s.n_cached}}  # OpenAI's: taken from the cache
     if predicted:  # OpenAI's fields: predicted tokens the answer kept, and those verified and turned down
         _, drafted, accepted = s.by_source.get(PREDICTION, (0, 0, 0))
         out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,

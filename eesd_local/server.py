@@ -248,6 +248,7 @@ class Metrics:
     _PER_DRAFTER = {  # key: (metric, help)
         "generations": ("eesd_generations", "generations run"),
         "prompt_tokens": ("eesd_prompt_tokens", "prompt tokens"),
+        "cached_tokens": ("eesd_cached_prompt_tokens", "prompt tokens taken from the KV cache, not decoded again"),
         "completion_tokens": ("eesd_completion_tokens", "tokens generated"),
         "drafted": ("eesd_drafted_tokens", "tokens drafted"),
         "accepted": ("eesd_accepted_tokens", "drafted tokens the target accepted"),
@@ -286,7 +287,8 @@ class Metrics:
         """Add one generation from its last chunk (``usage`` and ``speculation``)."""
         usage, spec = last["usage"], last["speculation"]
         d = spec["drafter"]
-        values = {"generations": 1, "prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
+        values = {"generations": 1, "prompt_tokens": usage["prompt_tokens"],
+                  "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"], "completion_tokens": usage["completion_tokens"],
                   "drafted": spec["drafted"], "accepted": spec["accepted"], "rounds": spec["rounds"], "seconds": seconds}
         emitted = round(spec["tau"] * spec["rounds"])  # tau = emitted / rounds
         with self._lock:

@@ -53,9 +53,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, positional_model: bool = Fals
     p.add_argument("--rpc", type=endpoints_arg, default=(), metavar="HOST:PORT[,HOST:PORT...]",
                    help="llama.cpp RPC servers (eesd rpc-server) to offload layers to, with --n-gpu-layers")
     p.add_argument("--cache-reuse", choices=("exact", "conversation"), default=_DEFAULT.cache_reuse,
-                   help="what of the cache a new prompt reuses: exact (default: only what a fresh prompt computes the same "
-                        "way, so an answer depends on its prompt alone) or conversation (all a continued conversation "
-                        "shares with it; eesd-chat's default)")
+                   help="kept for compatibility: a new prompt reuses all it shares with the cache either way (with the "
+                        "batch-invariant kernels an answer is still the one a fresh process gives)")
 
 
 class _ModelArg(argparse.Action):

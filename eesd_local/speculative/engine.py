@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from eesd_local.base.defaults import BATCH_MS, DRAFT_MAX, MAX_TOKENS, N_CTX, PREFILL_CHUNK, SEED, TEMPERATURE, TOP_K, TOP_P
+from eesd_local.base.defaults import BATCH_MS, DRAFT_MAX, MAX_TOKENS, N_CTX, SEED, TEMPERATURE, TOP_K, TOP_P
 from eesd_local.base.errors import EesdError
 from eesd_local.base.params import (
     MAX_THREADS,
@@ -66,10 +66,7 @@ class EngineConfig:
     # None (default): for eesd and hierarchical, not for auto (on a CPU a split target's plain round costs
     # ~5% more, and auto mostly runs plain or lookup rounds there; its model drafter stays lazy instead)
     shared_trunk: bool | None = None
-    # which part of the cache a new prompt reuses: "exact" (default) only what a fresh prefill of that
-    # prompt computes the same way, so an answer depends on its prompt alone; "conversation" also the
-    # turns a continued conversation shares with it (eesd-chat: a turn's answer is then plain decoding's
-    # of the same conversation, with the earlier answers as they were decoded)
+    # kept for its callers: a new prompt reuses all it shares with the cache either way (engine._prefill)
     cache_reuse: str = "exact"
     # HOST:PORT of llama.cpp RPC servers (eesd rpc-server) that hold the layers --n-gpu-layers offloads
     rpc: tuple[str, ...] = ()
@@ -118,7 +115,6 @@ class Engine:
         # greedy output byte-identical to plain decoding (runtime.exactness), and why (not)
         self.exact, self.exact_note = exactness(draft_max=config.draft_max, n_gpu_layers=config.n_gpu_layers,
                                                 rpc=bool(config.rpc))
-        self._whole = 0  # leading PREFILL_CHUNK-aligned chunks the target's cache holds as a fresh prefill computes them
         self.model_path = resolve_model(config.model)
         # with the shared trunk the target's weights are the trunk's and the tail's: its own load is vocabulary only
         plan, no_split = shared_trunk_plan(config, self.model_path)
@@ -254,6 +250,7 @@ class Engine:
         try:
             t0 = time.perf_counter()
             n_fed = self._prefill(prompt)  # the last prompt token gives the first logits
+            stats.n_cached = len(prompt) - n_fed
             t_fed = time.perf_counter() - t0
             first = self._pick(ctx.logits(), params, rng)
             drafter.begin(prompt)
@@ -319,33 +316,19 @@ class Engine:
         yield FinishEvent(reason, stats, "".join(text))  # type: ignore[arg-type]
 
     def _prefill(self, prompt: list[int]) -> int:
-        """Decode ``prompt`` into the target's cache, reusing what it shares with the cache; returns
-        how many tokens were decoded.
+        """Decode ``prompt`` into the target's cache, reusing the longest prefix it shares with what the
+        cache holds (token by token); returns how many tokens were decoded.
 
-        Where greedy output is exact, a fresh prompt is decoded in PREFILL_CHUNK-aligned chunks (the
-        last one holding the logit row), and only whole chunks computed that way are reused: batched
-        kernels give a row other bits in another batch, so a row reused from another computation (an
-        earlier answer's decode, a chunk cut elsewhere) could change the answer. ``cache_reuse=
-        "conversation"`` reuses the whole shared prefix instead."""
+        Where greedy output is exact (batch-invariant kernels: runtime.exactness) a row's logits and KV do
+        not depend on the batch it was computed in, so a prompt computes the same whatever part of it was
+        cached and however it was cut: reusing any shared prefix (an earlier prompt's, an earlier answer's
+        decode) leaves the answer what a fresh process gives. Elsewhere (a GPU) nothing is claimed and the
+        shared prefix is reused likewise. ``cache_reuse`` is kept for its callers: both of its values reuse
+        the whole shared prefix."""
         ctx = self.ctx
         keep = min(common_prefix(ctx.tokens, prompt), len(prompt) - 1)
-        if not self.exact:
-            ctx.trim(keep)
-            ctx.decode(prompt[keep:])
-            return len(prompt) - keep
-        c = PREFILL_CHUNK
-        whole = min(self._whole, ctx.n_past // c)
-        if self.config.cache_reuse == "exact":
-            keep = min(keep // c, whole) * c
         ctx.trim(keep)
-        self._whole = min(whole, keep // c)
-        start = keep
-        while start < len(prompt):
-            end = min((start // c + 1) * c, len(prompt))
-            ctx.decode(prompt[start:end], n_logits=1 if end == len(prompt) else 0)
-            if start == self._whole * c and end - start == c:
-                self._whole += 1
-            start = end
+        ctx.decode(prompt[keep:])
         return len(prompt) - keep
 
     def _pick(self, logits: np.ndarray, params: SamplingParams, rng: TokenRNG) -> int:

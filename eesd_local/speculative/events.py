@@ -36,6 +36,7 @@ class RoundEvent:
 @dataclass
 class Stats:
     n_prompt: int = 0
+    n_cached: int = 0  # prompt tokens taken from the KV cache (an earlier prompt's or answer's), not decoded again
     n_generated: int = 0
     n_rounds: int = 0
     n_drafted: int = 0
@@ -73,7 +74,7 @@ class Stats:
 
     def add(self, other: Stats) -> None:
         """Add another generation's figures to these (a session's, a bench method's)."""
-        for f in ("n_prompt", "n_generated", "n_rounds", "n_drafted", "n_accepted", "n_emitted",
+        for f in ("n_prompt", "n_cached", "n_generated", "n_rounds", "n_drafted", "n_accepted", "n_emitted",
                   "t_prefill", "t_decode", "t_draft", "t_verify"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         self.draft_lengths += other.draft_lengths

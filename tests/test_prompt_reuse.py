@@ -1,0 +1,95 @@
+"""Prompt reuse at token granularity (issue 42): a prompt takes from the KV cache the longest prefix it shares
+with what the cache holds (an earlier prompt, an earlier answer's decode), and its answer is the one a fresh
+process gives, for prompts that share prefixes of every length. The batch-invariant kernels make a row's
+logits and KV independent of the batch they were computed in; these tests hold the engine to that."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import eesd_local
+from eesd_local.gguf.tiny import write_tiny_gguf
+from eesd_local.speculative.events import TokenEvent
+
+from .conftest import QWEN05
+
+
+def _answer(eng, prompt, n):
+    evs = list(eng.generate(prompt, max_tokens=n))
+    return [e.token for e in evs if isinstance(e, TokenEvent)], evs[-1].stats.n_cached
+
+
+def _pairs(base: list[int], lengths: list[int]) -> list[list[int]]:
+    """Prompts that share base[:L] with the one before them, each going on differently after it."""
+    out = []
+    for i, n in enumerate(lengths):
+        out.append(base[:n] + [base[(n * 7 + i) % len(base)], base[(n * 3 + 1) % len(base)]])
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", seed=3))
+
+
+@pytest.mark.parametrize("drafter", ["none", "lookup"])
+def test_reused_prefixes_of_every_length_change_no_answer(tiny, drafter):
+    base = [int(t) for t in (list(range(100, 420, 3)) + list(range(90, 300, 7))) * 2][:300]
+    lengths = [1, 2, 3, 5, 8, 13, 31, 63, 64, 65, 100, 127, 128, 129, 200, 255, 256, 257, 299]
+    prompts = _pairs(base, lengths)
+    fresh = []
+    with eesd_local.load(tiny, drafter="none", n_ctx=1024) as eng:
+        for p in prompts:
+            eng.ctx.clear()  # nothing cached: the prompt decoded whole, as a fresh process decodes it
+            fresh.append(_answer(eng, p, 12)[0])
+    with eesd_local.load(tiny, drafter=drafter, n_ctx=1024, controller="fixed:4") as eng:
+        cached = 0
+        for p, want in zip(prompts + prompts[::-1], fresh + fresh[::-1], strict=True):
+            got, n = _answer(eng, p, 12)
+            assert got == want, (len(p), n)
+            cached += n
+    assert cached > 2000, "the prompts took little from the cache: the test would not test reuse"
+
+
+FRESH = """import json, sys, eesd_local
+prompts, n, model = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+out = []
+with eesd_local.load(model, drafter="none", n_ctx=2048) as e:
+    for p in prompts:
+        e.ctx.clear()  # nothing cached: each prompt decoded whole
+        out.append(e.run(p, max_tokens=n).text)
+print(json.dumps(out))
+"""
+
+
+def _fresh_process(prompts: list[str], n: int) -> list[str]:
+    """Each prompt's greedy answer from another process, its cache emptied before each prompt."""
+    r = subprocess.run([sys.executable, "-c", FRESH, json.dumps(prompts), str(n), QWEN05], capture_output=True, text=True,
+                       timeout=1200)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.model
+def test_the_demo_model_answers_reused_prompts_as_a_fresh_process(qwen05_path):
+    """Conversations that share prefixes of many lengths (a second turn, the same file with another question,
+    a system prompt kept): each answer through a warm engine that reused the cache equals a fresh process's."""
+    code = open(eesd_local.__file__.replace("__init__.py", "speculative/rounds.py")).read()[:6000]
+    questions = ["What does this module do?", "List its classes.", "Which function is the longest?"]
+    prompts = []
+    with eesd_local.load(QWEN05, drafter="auto", n_ctx=2048) as eng:
+        for cut in (300, 1200, 2400, 4000):
+            for q in questions:
+                prompts.append(eng.apply_chat_template([{"role": "user", "content": code[:cut] + "\n\n" + q}]))
+        prompts.append(prompts[0] + "Sure:")  # a continuation of a whole earlier prompt
+        got, cached = [], 0
+        for p in prompts:
+            fin = eng.run(p, max_tokens=10)
+            got.append(fin.text)
+            cached += fin.stats.n_cached
+    assert cached > 0.5 * sum(len(p) for p in prompts) / 4, "little was reused: the test would not test reuse"
+    assert got == _fresh_process(prompts, 10)
