@@ -93,3 +93,40 @@ def test_the_demo_model_answers_reused_prompts_as_a_fresh_process(qwen05_path):
             cached += fin.stats.n_cached
     assert cached > 0.5 * sum(len(p) for p in prompts) / 4, "little was reused: the test would not test reuse"
     assert got == _fresh_process(prompts, 10)
+
+
+def test_conversations_that_come_back_are_restored_from_ram(tiny):
+    """Three conversations take turns: each later turn continues its own conversation's state kept in RAM
+    (--cache-ram), pays only for its new tokens, and answers as a fresh process does; a bound that holds one
+    state at a time keeps the states' bytes under it."""
+    def turns(base: int, step: int) -> list[list[int]]:
+        first = [(base + step * i) % 500 for i in range(150)]
+        more = [(base + 11 * i) % 500 for i in range(80)]
+        return [first, first + more[:40], first + more]
+
+    convs = [turns(b, s) for b, s in ((10, 3), (100, 7), (200, 13))]
+    order = [(c, t) for t in range(3) for c in range(3)]  # A1 B1 C1 A2 B2 C2 A3 B3 C3
+    with eesd_local.load(tiny, drafter="none", n_ctx=1024) as eng:
+        fresh = {}
+        for c, t in order:
+            eng.ctx.clear()
+            fresh[c, t] = _answer(eng, convs[c][t], 8)[0]
+    with eesd_local.load(tiny, drafter="lookup", n_ctx=1024, controller="fixed:4") as eng:
+        for c, t in order:
+            got, cached = _answer(eng, convs[c][t], 8)
+            assert got == fresh[c, t], (c, t)
+            if t > 0:  # the conversation's earlier turn came back from RAM
+                assert cached >= len(convs[c][t - 1]) - 1, (c, t, cached)
+        assert len(eng.prompt_cache) >= 2
+    state = None
+    with eesd_local.load(tiny, drafter="none", n_ctx=1024) as eng:
+        eng.run(convs[0][0], max_tokens=1)
+        state = len(eng.ctx.save_state())
+    limit_mb = max(1, (state * 3 // 2) >> 20)
+    with eesd_local.load(tiny, drafter="none", n_ctx=1024, cache_ram=limit_mb) as eng:
+        for c, t in order:
+            assert _answer(eng, convs[c][t], 8)[0] == fresh[c, t]
+            assert eng.prompt_cache.bytes <= limit_mb << 20
+    with eesd_local.load(tiny, drafter="none", n_ctx=1024, cache_ram=0) as eng:
+        assert eng.prompt_cache is None
+        assert [_answer(eng, convs[c][t], 8)[0] for c, t in order] == [fresh[k] for k in order]

@@ -5,6 +5,8 @@ N_CTX = 4096  # context size in tokens
 # the native loop runs rounds in batches of about this long before Python takes them (and
 # streams their tokens): fewer Python calls per token; 0 = back to Python after every round
 BATCH_MS = 50.0
+# megabytes of idle prompts' KV states kept in RAM (a conversation that comes back pays only for its new turn)
+CACHE_RAM_MB = 2048
 # Sampling: what a request gets for an option it leaves out. Engine.generate, the API (LLM, completion),
 # params.check_sampling, `eesd generate`/`run`, eesd-chat and the bench read these; the server differs
 # only where OpenAI's API says otherwise (SERVER_*).

@@ -20,7 +20,7 @@ from eesd_local.speculative.engine import EngineConfig, check_config
 _DEFAULT = EngineConfig()
 # the EngineConfig fields that add_engine_args makes flags of (seed is the controller's, not sampling's --seed)
 ENGINE_FLAGS = ("model", "drafter", "head", "draft_model", "controller", "draft_max", "n_ctx", "n_gpu_layers", "n_threads",
-                "batch_ms", "shared_trunk", "cache_reuse", "rpc")
+                "batch_ms", "shared_trunk", "cache_reuse", "rpc", "cache_ram")
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, positional_model: bool = False) -> None:
@@ -52,6 +52,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, positional_model: bool = Fals
                    help="native loop: milliseconds of rounds run before their tokens stream out (default %(default)s; 0: every round)")
     p.add_argument("--rpc", type=endpoints_arg, default=(), metavar="HOST:PORT[,HOST:PORT...]",
                    help="llama.cpp RPC servers (eesd rpc-server) to offload layers to, with --n-gpu-layers")
+    p.add_argument("--cache-ram", type=int, default=_DEFAULT.cache_ram, metavar="MB",
+                   help="megabytes of idle prompts' KV states kept in RAM, so that a conversation that comes back pays "
+                        "only for its new turn (default %(default)s; 0: none)")
     p.add_argument("--cache-reuse", choices=("exact", "conversation"), default=_DEFAULT.cache_reuse,
                    help="kept for compatibility: a new prompt reuses all it shares with the cache either way (with the "
                         "batch-invariant kernels an answer is still the one a fresh process gives)")

@@ -411,6 +411,24 @@ class Context:
         """How many more tokens fit into the context."""
         return self.n_ctx - self.n_past
 
+    def save_state(self) -> bytes:
+        """Sequence 0's KV state (what :meth:`restore_state` takes back), as llama.cpp serialises it."""
+        size = int(lc.llama_state_seq_get_size(self.ptr, 0))
+        buf = (ctypes.c_uint8 * size)()
+        got = int(lc.llama_state_seq_get_data(self.ptr, buf, size, 0))
+        if got != size:
+            raise EesdError(f"llama.cpp saved {got} of {size} bytes of a KV state")
+        return bytes(buf)
+
+    def restore_state(self, state: bytes, tokens: Sequence[int]) -> None:
+        """Put back a state :meth:`save_state` gave, which holds ``tokens``; the cache held before is dropped."""
+        self.clear()
+        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        if int(lc.llama_state_seq_set_data(self.ptr, buf, len(state), 0)) != len(state):
+            self.clear()
+            raise EesdError("llama.cpp could not restore a saved KV state")
+        self.tokens[:] = list(tokens)
+
     def decode(self, tokens: Sequence[int], *, n_logits: int = 1, embd: np.ndarray | None = None) -> int:
         """Append ``tokens`` to the cache with logits for the last ``n_logits`` of them.
 

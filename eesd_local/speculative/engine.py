@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from eesd_local.base.defaults import BATCH_MS, DRAFT_MAX, MAX_TOKENS, N_CTX, SEED, TEMPERATURE, TOP_K, TOP_P
+from eesd_local.base.defaults import BATCH_MS, CACHE_RAM_MB, DRAFT_MAX, MAX_TOKENS, N_CTX, SEED, TEMPERATURE, TOP_K, TOP_P
 from eesd_local.base.errors import EesdError
 from eesd_local.base.params import (
     MAX_THREADS,
@@ -43,6 +43,7 @@ from eesd_local.speculative.controllers import Controller as StateController
 from eesd_local.speculative.drafters import DRAFTERS, make_drafter, n_sources, placement, shared_trunk_plan
 from eesd_local.speculative.drafters.base import Drafter, NoDrafter
 from eesd_local.speculative.events import Event, FinishEvent, RoundEvent, Stats, TokenEvent
+from eesd_local.speculative.promptcache import MIN_TOKENS, PromptCache
 from eesd_local.speculative.rounds import Controller, Rounds
 from eesd_local.speculative.sampling import SamplingParams, TokenRNG
 
@@ -70,6 +71,8 @@ class EngineConfig:
     cache_reuse: str = "exact"
     # HOST:PORT of llama.cpp RPC servers (eesd rpc-server) that hold the layers --n-gpu-layers offloads
     rpc: tuple[str, ...] = ()
+    # megabytes of idle prompts' KV states kept in RAM (llama-server's --cache-ram); 0: none
+    cache_ram: int = CACHE_RAM_MB
 
 
 class _Generation:
@@ -140,6 +143,8 @@ class Engine:
                 self.drafter_note += f"; {no_split}: the exit head runs as a separate draft model"
             lap("drafter")
             self.controller = self._new_controller(config.controller, n_sources(self.drafter))
+            # idle prompts' states in RAM: for a target context of its own (a split target's trunk holds rows too)
+            self.prompt_cache = PromptCache(config.cache_ram << 20) if config.cache_ram > 0 and plan is None else None
         except BaseException:
             self.close()
             raise
@@ -327,6 +332,14 @@ class Engine:
         the whole shared prefix."""
         ctx = self.ctx
         keep = min(common_prefix(ctx.tokens, prompt), len(prompt) - 1)
+        saved = self.prompt_cache
+        if saved is not None:
+            found = saved.best(prompt)
+            if ctx.n_past - keep >= MIN_TOKENS:  # another conversation: keep this one's state for its next turn
+                saved.put(ctx.tokens, ctx.save_state())
+            if found is not None and min(found[2], len(prompt) - 1) >= keep + MIN_TOKENS:
+                ctx.restore_state(found[1], found[0])
+                keep = min(found[2], len(prompt) - 1)
         ctx.trim(keep)
         ctx.decode(prompt[keep:])
         return len(prompt) - keep
@@ -486,6 +499,7 @@ def check_config(config: EngineConfig) -> None:
     if config.shared_trunk is not None:
         check_choice("shared_trunk", config.shared_trunk, (True, False), hint="or None for the drafter's default")
     check_choice("cache_reuse", config.cache_reuse, ("exact", "conversation"))
+    check_int("cache_ram", config.cache_ram, 0, 1 << 30, hint="megabytes of idle prompts' KV states kept in RAM, 0 for none")
     if isinstance(config.rpc, str) or not isinstance(config.rpc, list | tuple) or not all(isinstance(e, str) for e in config.rpc):
         raise ParamError("rpc", f"rpc must be a list of HOST:PORT strings, got {show(config.rpc)}")
     if config.rpc:
