@@ -159,7 +159,9 @@ class Method(Protocol):
     model_bytes: int  # weights this method loads (target + drafter)
     exact: bool  # claims greedy output byte-identical to plain decoding
 
-    def generate(self, prompt: list[int], s: Sampling) -> Turn: ...
+    def generate(self, prompt: list[int], s: Sampling, *, prediction: str | None = None) -> Turn:
+        """One generation; ``prediction``: the answer as expected (predicted outputs), for a method that takes one."""
+        ...
 
     def close(self) -> None: ...
 
@@ -193,13 +195,13 @@ class EngineMethod:
             with self.engine._lock:
                 self.trunk_share = measure_trunk_share(self.engine.ctx, prompt)
 
-    def generate(self, prompt: list[int], s: Sampling) -> Turn:
+    def generate(self, prompt: list[int], s: Sampling, *, prediction: str | None = None) -> Turn:
         tokens: list[int] = []
         t_first = t_last = 0.0
         fin: FinishEvent | None = None
         t0 = time.perf_counter()
         events = self.engine.generate(prompt, max_tokens=s.max_tokens, temperature=s.temperature, top_k=s.top_k,
-                                      top_p=s.top_p, seed=s.seed)
+                                      top_p=s.top_p, seed=s.seed, prediction=prediction)
         try:
             for ev in events:
                 if isinstance(ev, TokenEvent):
@@ -277,8 +279,8 @@ class PeerMethod:
                          n_gpu_layers=n_gpu_layers, draft_model=self.counter, verbose=False)
         self.model_bytes = int(llama_model_size(self.llm.model))
 
-    def generate(self, prompt: list[int], s: Sampling) -> Turn:
-        llm, counter = self.llm, self.counter
+    def generate(self, prompt: list[int], s: Sampling, *, prediction: str | None = None) -> Turn:
+        llm, counter = self.llm, self.counter  # (llama-cpp-python takes no prediction)
         if counter is not None:
             counter.start()
         if s.seed is not None:

@@ -1,5 +1,5 @@
-"""Benchmark prompts: JSONL files and the built-in sets ``code``, ``chat``, ``rewrite``, ``edits``, ``rework``
-and ``agent``.
+"""Benchmark prompts: JSONL files and the built-in sets ``code``, ``chat``, ``rewrite``, ``edits``, ``rework``,
+``agent`` and ``predict``.
 
 A JSONL line is ``{"id": ..., "category": ... (optional), and one of "prompt" (raw text),
 "messages" (chat messages) or "turns" (user turns; the model's own answer is kept
@@ -13,7 +13,9 @@ functions of the held-out standard-library modules, whose answers mostly copy th
 multi-turn sets are where speculation pays most and where users meet it daily: ``edits`` changes the
 same file turn after turn (the whole file shown each time), ``rework`` asks for a second answer that
 reworks the first, ``agent`` re-sends a file with a small change and a tool's output, as an agent loop
-does.
+does. ``predict`` is ``edits`` as an editor sends it with OpenAI's predicted outputs: each turn carries
+the file as it stands (the first turn's code block, then the previous answer) as the prediction, which
+every method but the plain baseline ``none`` is given (peers without such a field ignore it).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 from eesd_local.base.errors import EesdError
 from eesd_local.tools.heads.data import parsed_modules, sharegpt_items
 
-BUILTIN_SETS = ("code", "chat", "rewrite", "edits", "rework", "agent")
+BUILTIN_SETS = ("code", "chat", "rewrite", "edits", "rework", "agent", "predict")
 DEFAULT_CATEGORY = "default"
 
 
@@ -41,6 +43,7 @@ class PromptItem:
     prompt: str | None = None  # raw text, tokenized as is
     messages: tuple[tuple[str, str], ...] = ()  # (role, content): one chat-templated request
     turns: tuple[str, ...] = ()  # user turns of a multi-turn chat
+    predict: bool = False  # each turn sends the file as it stands as the prediction (predicted outputs)
 
     @property
     def n_turns(self) -> int:
@@ -234,6 +237,26 @@ def edits_set() -> list[PromptItem]:
     return items
 
 
+def predict_set() -> list[PromptItem]:
+    """``edits`` with the file as it stands sent as each turn's prediction."""
+    return [PromptItem(it.id.replace("edits:", "predict:", 1), "predict", turns=it.turns, predict=True) for it in edits_set()]
+
+
+_FENCE = re.compile(r"```[a-z]*\n(.*?)```", re.S)
+
+
+def prediction_for(item: PromptItem, turn_no: int, previous_answer: str) -> str | None:
+    """What turn ``turn_no`` of ``item`` sends as its prediction: the first turn's code block in its fence,
+    then the previous answer (the file as the model last wrote it); None for an item that predicts nothing."""
+    if not item.predict:
+        return None
+    if turn_no > 0:
+        return previous_answer
+    text = item.turns[0] if item.turns else (item.messages[-1][1] if item.messages else item.prompt or "")
+    m = _FENCE.search(text)
+    return f"```python\n{m.group(1)}```" if m else None
+
+
 def rework_set(*, max_chars: int = 1500) -> list[PromptItem]:
     """A held-out chat request, then a second turn that asks to rework the first answer."""
     asks = ("Rewrite your answer to be more concise, keeping any code exactly as it is.",
@@ -264,7 +287,7 @@ def agent_set() -> list[PromptItem]:
 
 
 _BUILDERS = {"code": code_set, "chat": chat_set, "rewrite": rewrite_set, "edits": edits_set, "rework": rework_set,
-             "agent": agent_set}
+             "agent": agent_set, "predict": predict_set}
 
 
 # --- selection -----------------------------------------------------------------------

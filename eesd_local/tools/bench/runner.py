@@ -43,7 +43,7 @@ from eesd_local.tools.bench.methods import (
     default_draft_model,
     parse_methods,
 )
-from eesd_local.tools.bench.prompts import PromptItem, load_prompts
+from eesd_local.tools.bench.prompts import PromptItem, load_prompts, prediction_for
 from eesd_local.tools.bench.servers import HttpPeer, LlamaServerPeer, PeerFailed, check_servers, stop_all
 from eesd_local.tools.prepare import prepare
 from eesd_local.tools.registry import resolve_model
@@ -238,7 +238,9 @@ def run_item(method: Method, item: PromptItem, ref: EngineMethod, s: Sampling, n
         if need > n_ctx:
             raise EesdError(f"prompt {item.id!r} (turn {turn_no + 1}) has {len(prompt)} tokens: with --max-tokens "
                             f"{s.max_tokens} it does not fit into the context of {n_ctx}", hint="pass a larger --n-ctx")
-        turn = method.generate(prompt, s)
+        # the plain baseline decodes without the prediction: the speedup is over plain decoding
+        predicted = prediction_for(item, turn_no, history[-1][1] if history and history[-1][0] == "assistant" else "")
+        turn = method.generate(prompt, s, prediction=predicted if method.spec.drafter != "none" else None)
         run.prompts.append(prompt)
         run.turns.append(turn)
         if item.turns:

@@ -249,7 +249,8 @@ class LlamaServerPeer:
         self.server = ServerProcess(argv, port, self.drafter, env={**os.environ, **STOCK_ENV})
         self.model_bytes = model_path.stat().st_size + (draft_model.stat().st_size if kind == "draft-simple" and draft_model else 0)
 
-    def generate(self, prompt: list[int], s: Sampling) -> Turn:
+    def generate(self, prompt: list[int], s: Sampling, *, prediction: str | None = None) -> Turn:
+        # (llama-server has no predicted outputs: a prediction is not sent)
         body = {"prompt": prompt, "n_predict": s.max_tokens, "temperature": s.temperature, "top_k": s.top_k,
                 "top_p": s.top_p, "min_p": 0.0, "repeat_penalty": 1.0, "cache_prompt": True, "return_tokens": True,
                 "stream": False}
@@ -310,9 +311,11 @@ class HttpPeer:
         self.server = ServerProcess(argv, port, self.drafter, env=env)
         self.model_bytes = model_path.stat().st_size
 
-    def generate(self, prompt: list[int], s: Sampling) -> Turn:
-        body = {"prompt": prompt, "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
-                "stream": False}
+    def generate(self, prompt: list[int], s: Sampling, *, prediction: str | None = None) -> Turn:
+        body: dict[str, Any] = {"prompt": prompt, "max_tokens": s.max_tokens, "temperature": s.temperature,
+                                "top_p": s.top_p, "stream": False}
+        if prediction is not None and self.spec.http_server == "eesd":  # llama-server has no such field
+            body["prediction"] = {"type": "content", "content": prediction}
         if s.top_k:
             body["top_k"] = s.top_k
         if s.seed is not None:
