@@ -104,7 +104,7 @@ def _lib_files() -> list[str]:
 native = Pybind11Extension(
     "eesd_local._native",
     SOURCES,
-    depends=[os.path.join("native", f) for f in ("simd.hpp", "probs.hpp", "kv.hpp", "rounds.hpp", "capture.hpp")],
+    depends=[os.path.join("native", f) for f in ("simd.hpp", "probs.hpp", "kv.hpp", "rounds.hpp", "capture.hpp", "verify.hpp", "store.hpp")],
     include_dirs=[LLAMA_INCLUDE_DIR],
     library_dirs=[LLAMA_LIB_DIR],
     # ggml-base: the shared-trunk capture (capture.hpp) reads a graph tensor through ggml's backend API

@@ -33,6 +33,7 @@ struct PyRounds : eesd::Rounds {
     using eesd::Rounds::Rounds;
     StateArray state;
     CancelArray cancel;
+    py::object store;  // the Store the rounds read (kept alive while they may)
 };
 
 void configure(PyRounds& self, StateArray state, int mode, double temperature, int top_k, double top_p, uint64_t rng_state,
@@ -150,6 +151,13 @@ PYBIND11_MODULE(_native, m) {
         .def("set_reference", &PyRounds::set_reference, py::arg("reference"), py::arg("n_prompt"),
              "The request's predicted output: tokens proposed like lookup's while the answer (from history position "
              "n_prompt on) follows them; [] for none.")
+        .def(
+            "set_store",
+            [](PyRounds& self, py::object store) {
+                self.set_store(store.is_none() ? nullptr : &store.cast<eesd::Store&>());
+                self.store = std::move(store);
+            },
+            py::arg("store"), "Earlier answers (a Store) that lookup searches beside the history; None: none.")
         .def("set_call", &set_call, py::arg("call"),
              "Mode 4's drafter, written in Python: call(new history tokens, max_n, rng state) -> (tokens, confidences, "
              "[q or None] or None, t_catchup, source, offer tokens, offer match, rng state), once a round (None: unset).")
@@ -178,6 +186,24 @@ PYBIND11_MODULE(_native, m) {
         .def("rng_state", &PyRounds::rng_state, "The random stream's state after the batches so far.")
         .def_property_readonly("t_llama", &PyRounds::t_llama, "Seconds inside llama_decode over all batches.")
         .def("close", &PyRounds::close, "Free the batches; the contexts stay with Python.");
+    py::class_<eesd::Store>(m, "Store")
+        .def(py::init<size_t, int>(), py::arg("limit"), py::arg("n"),
+             "Earlier answers for lookup across requests: at most limit tokens, matches of at least n tokens.")
+        .def(
+            "add", [](eesd::Store& self, const std::vector<llama_token>& toks) { self.add(toks.data(), toks.size()); },
+            py::arg("tokens"), "Keep an entry: a prompt's end and its answer.")
+        .def(
+            "find",
+            [](const eesd::Store& self, const std::vector<llama_token>& history, int max_n, int cap) {
+                std::vector<llama_token> out;
+                double share = 0.0;
+                int l = self.find(history.data(), static_cast<int>(history.size()), max_n, cap, out, share);
+                return py::make_tuple(out, l, share);
+            },
+            py::arg("history"), py::arg("max_n"), py::arg("cap") = eesd::MATCH_CAP,
+            "(continuation, match length, share of the longest matches that went on with its first token).")
+        .def_property_readonly("size", &eesd::Store::size, "Tokens held.")
+        .def_property_readonly("entries", &eesd::Store::entries, "Entries held.");
     py::class_<eesd::Capture>(m, "Capture")
         .def(py::init<std::string, int64_t>(), py::arg("name"), py::arg("n_embd"))
         .def_property_readonly_static(

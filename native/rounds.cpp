@@ -27,12 +27,21 @@ void Rounds::one_round(int max_n, RoundOut& r) {
         cands_.clear();
         double conf = 0.0;
         bool predicted = !ref_.empty() && propose_reference(max_n);
+        bool from_store = false;
         if (predicted) {
             conf = match_confidence(std::min(match_len_, std::max(ngram_max_, 1)), std::max(ngram_max_, 1));
         } else if (ngram_max_ > 0 && mode_ != NONE) {
-            int n_match = lookup_match(history_.data(), static_cast<int>(history_.size()), ngram_min_, ngram_max_, max_n, cands_,
-                                       match_len_);
+            int len = static_cast<int>(history_.size());
+            int n_match = lookup_match(history_.data(), len, ngram_min_, ngram_max_, max_n, cands_, match_len_);
             conf = match_confidence(n_match, ngram_max_);
+            double share = 0.0;  // an earlier answer that matches longer than the history's own text goes first
+            int l = store_ ? store_->find(history_.data(), len, max_n, MATCH_CAP, stored_, share) : 0;
+            if (l > (cands_.empty() ? 0 : match_len_) && !stored_.empty()) {
+                cands_.swap(stored_);
+                match_len_ = share < 1.0 ? 1 : l;  // earlier answers that went on differently: a guess between them
+                conf = match_confidence(ngram_max_, ngram_max_);
+                from_store = true;
+            }
         }
         int mode = predicted && mode_ == NONE ? POINT : mode_;  // plain decoding drafts a prediction alone
         bool offers = mode == POINT || mode == CHOOSE;  // a hierarchical drafter's guesses are not free proposals
@@ -45,6 +54,7 @@ void Rounds::one_round(int max_n, RoundOut& r) {
         begin_(st_, n_st_);
         r.src = draft(max_n, conf, mode);
         if (predicted && r.src == SRC_LOOKUP) r.src = SRC_PREDICTION;
+        if (from_store && r.src == SRC_LOOKUP) r.src = SRC_STORE;
     }
     double t2 = now_s();
     int k = static_cast<int>(drafted_.size());

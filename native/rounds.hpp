@@ -21,6 +21,7 @@
 #include "capture.hpp"
 #include "kv.hpp"
 #include "probs.hpp"
+#include "store.hpp"
 #include "verify.hpp"
 
 namespace eesd {
@@ -47,6 +48,8 @@ enum Source { SRC_ANY = -2, SRC_NONE = -1, SRC_LOOKUP = 0, SRC_MODEL = 1 };
 // what a round reports when its lookup proposals came from the request's prediction (the controller sees
 // them as lookup's: free proposals)
 constexpr int SRC_PREDICTION = 2;
+// ... and when they came from the store of earlier answers (Store)
+constexpr int SRC_STORE = 3;
 // a prediction realigns with the answer on a match of at least this many tokens
 constexpr int REF_MIN_MATCH = 3;
 
@@ -113,6 +116,9 @@ class Rounds {
         ref_expect_ = 0;
         ref_expect_len_ = static_cast<int>(n_prompt);
     }
+    // earlier answers of this process, searched beside the history where lookup drafts (nullptr: none); the
+    // store outlives the rounds (the engine holds it)
+    void set_store(const Store* store) { store_ = store; }
     // the drafter of mode CALL: f runs once a round (with the GIL: module.cpp)
     void set_call(call_fn f) { call_ = std::move(f); }
     int room() { return open_target().room(); }
@@ -198,6 +204,8 @@ class Rounds {
     std::vector<PendingOffer> offers_;  // lookup offers not yet resolved by emitted tokens
     bool covered(size_t start, const std::vector<llama_token>& toks) const;
     std::vector<llama_token> history_;
+    const Store* store_ = nullptr;
+    std::vector<llama_token> stored_;  // scratch: the store's continuation
     std::vector<llama_token> ref_;  // the request's prediction (set_reference)
     size_t ref_prompt_ = 0;
     int ref_expect_ = 0;            // where in ref_ the last alignment said the answer goes on,

@@ -206,7 +206,7 @@ def test_a_python_drafter_runs_in_the_same_loop(tiny, controller):
                          for kw in (dict(), dict(temperature=0.9, seed=3), dict(temperature=0.7, top_k=20, top_p=0.9, seed=4))]
             if controller == "cost-ts":  # the match classes and the request ratio (in the first position)
                 f = eng.controller.fields
-                states[name] = np.concatenate([f["bins"], f["pos"][:1]])
+                states[name] = np.concatenate([f["classes"], f["pos"][:1]])
     assert [[r[:4] for r in g[1]] for g in got["python"]] == [[r[:4] for r in g[1]] for g in got["native"]]
     assert [g[2] for g in got["python"]] == [g[2] for g in got["native"]]
     if controller == "cost-ts":
@@ -451,3 +451,36 @@ def test_a_prediction_drafts_and_changes_nothing(tiny, drafter):
             eng.run(TINY_PROMPT, max_tokens=4, prediction=3.5)
         with pytest.raises(EesdError, match="the prediction has"):
             eng.run(TINY_PROMPT, max_tokens=4, prediction=[5] * 5000)
+
+
+# --- earlier answers (lookup across requests) ----------------------------------------------
+
+
+def test_the_store_finds_the_longest_earlier_match_and_the_most_frequent_continuation():
+    store = _native.Store(1000, 3)
+    store.add([1, 2, 3, 4, 5, 6, 7])
+    store.add([9, 2, 3, 4, 8, 8])
+    store.add([0, 2, 3, 4, 8, 1])
+    cont, n, share = store.find([7, 7, 2, 3, 4], 3)  # 2 3 4 went on with 8 twice, with 5 once
+    assert (cont, n) == ([8, 1], 3) and share == pytest.approx(2 / 3)
+    cont, n, share = store.find([1, 2, 3, 4], 4)  # the longest match wins over the most frequent
+    assert (cont, n, share) == ([5, 6, 7], 4, 1.0)
+    assert store.find([5, 5, 5], 4)[1] == 0 and store.find([3, 4], 4)[1] == 0  # nothing, too short
+    small = _native.Store(10, 2)
+    for i in range(5):
+        small.add([100 + i] * 3 + [i, i + 1])
+    assert small.size <= 10 and small.entries == 2  # the oldest went
+    assert small.find([104, 4], 2)[0] == [5] and small.find([100, 0], 2)[1] == 0
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "auto"])
+def test_the_same_request_again_drafts_from_its_earlier_answer(tiny, drafter):
+    target, _ = tiny
+    prompt = [(7 * i) % 500 for i in range(120)]
+    with eesd_local.load(target, drafter=drafter, n_ctx=2048, controller="fixed:8") as eng:
+        first = eng.run(prompt, max_tokens=100)
+        again = eng.run(prompt, max_tokens=100)
+        assert again.text == first.text
+        _, drafted, accepted = again.stats.by_source["earlier-answers"]
+        assert accepted >= 80 and first.stats.by_source.get("earlier-answers") is None
+        assert eng.store.entries == 2

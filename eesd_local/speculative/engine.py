@@ -48,6 +48,11 @@ from eesd_local.speculative.rounds import Controller, Rounds
 from eesd_local.speculative.sampling import SamplingParams, TokenRNG
 
 MAX_BATCH_MS = 3_600_000.0
+# the store of earlier answers: tokens held (the oldest answers go first), the shortest match it offers, and
+# how much of a prompt's end goes in before its answer (so that the same request again finds it from its start)
+STORE_TOKENS = 1 << 18
+STORE_MATCH = 8
+STORE_PROMPT_END = 64
 
 
 @dataclass
@@ -145,6 +150,8 @@ class Engine:
             self.controller = self._new_controller(config.controller, n_sources(self.drafter))
             # idle prompts' states in RAM: for a target context of its own (a split target's trunk holds rows too)
             self.prompt_cache = PromptCache(config.cache_ram << 20) if config.cache_ram > 0 and plan is None else None
+            # earlier answers (each after its prompt's end), which prompt lookup searches beside the history
+            self.store = native.require().Store(STORE_TOKENS, STORE_MATCH)
         except BaseException:
             self.close()
             raise
@@ -264,7 +271,8 @@ class Engine:
             if share and n_fed >= 16:
                 ctl.prime_resume(share * t_fed / n_fed)  # until measured: catching up ~ its share of a prefill
             rounds = Rounds(ctx, drafter, ctl, params, rng, draft_max=self.config.draft_max,
-                            batch_s=self.config.batch_ms / 1000.0, prediction=prediction, n_prompt=len(prompt))
+                            batch_s=self.config.batch_ms / 1000.0, prediction=prediction, n_prompt=len(prompt),
+                            store=self.store)
             self._live = rounds
             stats.t_prefill = time.perf_counter() - t0
             t_start = time.perf_counter()
@@ -314,6 +322,8 @@ class Engine:
                 rounds.close()  # the loop hands its KV records back to the contexts
             if ctx.ptr:  # the rollback always runs: the cache holds exactly the emitted history but `last`
                 ctx.trim(min(ctx.n_past, max(0, len(history) - 1)))
+            if len(history) > len(prompt):  # the answer, after its prompt's end, for lookup in later requests
+                self.store.add(history[max(0, len(prompt) - STORE_PROMPT_END):])
             stats.t_decode = time.perf_counter() - t_start if t_start else 0.0
         tail = detok.flush()
         if tail:

@@ -37,6 +37,8 @@ from eesd_local.speculative.sampling import SamplingParams, TokenRNG
 NONE, POINT, MODEL, CHOOSE, CALL = 0, 1, 2, 3, 4
 SRC_PREDICTION = 2  # a round whose lookup proposals came from the request's prediction (native/rounds.hpp)
 PREDICTION = "prediction"  # its source's name in events and statistics
+SRC_STORE = 3  # ... from the store of earlier answers
+STORE = "earlier-answers"
 
 
 class RoundResult(NamedTuple):
@@ -129,7 +131,8 @@ class Rounds:
     """
 
     def __init__(self, ctx: Context, drafter: Drafter, controller: Controller, params: SamplingParams, rng: TokenRNG,
-                 *, draft_max: int, batch_s: float = 0.0, prediction: list[int] | None = None, n_prompt: int = 0) -> None:
+                 *, draft_max: int, batch_s: float = 0.0, prediction: list[int] | None = None, n_prompt: int = 0,
+                 store: Any = None) -> None:
         native = native_ext.require()
         spec = drafter.native()
         self.mode = _mode(spec)
@@ -161,6 +164,9 @@ class Rounds:
             self.rounds.set_call(_PythonDrafter(drafter, controller, params, hindsight))
         self._names = {s: drafter.source_name(s) for s in (SRC_LOOKUP, SRC_MODEL)}
         self._names[SRC_PREDICTION] = PREDICTION
+        self._names[SRC_STORE] = STORE
+        if store is not None and spec.lookup is not None:  # earlier answers, searched beside the history
+            self.rounds.set_store(store)
         if prediction and self.mode != CALL:  # the answer's expected tokens, proposed where the answer follows them
             self.rounds.set_reference(prediction, n_prompt)
         for which, c in enumerate((ctx, draft)):
