@@ -17,8 +17,8 @@
 
 namespace eesd {
 
-// a lookup match is measured up to this many tokens (the controller pools the longest classes)
-constexpr int MATCH_CAP = 16;
+// a lookup match is measured up to this many tokens (the controller's longest class: 64 and more)
+constexpr int MATCH_CAP = 64;
 
 // Prompt lookup over the history h[0..len): out = the tokens (at most max_n) after the latest
 // earlier end e <= len-2 of the longest suffix n-gram, n from ngram_max down to ngram_min;

@@ -16,7 +16,7 @@ import numpy as np
 
 from eesd_local.speculative.sampling import SamplingParams, Uniform
 
-MATCH_CAP = 16  # a lookup match is measured up to this many tokens (native/verify.hpp)
+MATCH_CAP = 64  # a lookup match is measured up to this many tokens (native/verify.hpp)
 
 # top-p without top-k: the candidates are the logits within SPAN nats of the largest, for
 # the first span whose softmax mass reaches top_p; they are grouped into bins 1/32 nat wide,

@@ -19,6 +19,7 @@ from eesd_local.speculative.controllers import make_controller
 from eesd_local.speculative.controllers.thompson import (
     MATCH_PRIOR,
     MATCH_REQUEST_EVIDENCE,
+    REACH_FLOOR,
     REQUEST_MATCH,
     match_class,
     match_prior_mean,
@@ -65,7 +66,7 @@ def _lookup_state(ctl):
 
 def _classes(st) -> np.ndarray:
     """The match classes (alpha, beta, predicted) and the request's ratio for long matches (the first position's)."""
-    return structured_to_unstructured(np.concatenate([st["bins"], st["pos"][:1]]))
+    return structured_to_unstructured(np.concatenate([st["classes"], st["pos"][:1]]))
 
 
 def test_lookup_reports_how_far_the_match_goes():
@@ -73,7 +74,7 @@ def test_lookup_reports_how_far_the_match_goes():
     hist = [10, 11, 12, 13, 14, 15, 16, 17, 99, 12, 13, 14, 15, 16]
     cont, n, length = d.lookup_match(hist, 3)
     assert (cont, n, length) == ([17, 99, 12], 4, 5)  # the 4-gram 13..16, and 12 before it too
-    long = list(range(40)) + [7] + list(range(40))
+    long = list(range(100)) + [7] + list(range(100))
     assert d.lookup_match(long, 2)[2] == MATCH_CAP  # measured up to the cap
     assert d.lookup_match([1, 2, 3], 4) == ([], 0, 0)
     ref = Lookup(ngram_max=4)  # the n-gram index reference agrees
@@ -123,7 +124,7 @@ def test_the_request_ratio_moves_long_matches_only():
         return float(s["chance"][0])
 
     def mean(match: int) -> float:
-        b = s["bins"][match_class(match)]
+        b = s["classes"][match_class(match)]
         return float(b["alpha"] / (b["alpha"] + b["beta"]))
 
     for _ in range(200):  # earlier requests: copies, offers after long matches run on
@@ -232,7 +233,7 @@ def test_learned_by_match_length_and_planned_from_it():
     for _ in range(100):
         ctl.hindsight(2, 8, 0)
         ctl.hindsight(9, 8, 8)
-    bins = ctl.fields["bins"]
+    bins = ctl.fields["classes"]
     mean = lambda c: bins["alpha"][c] / (bins["alpha"][c] + bins["beta"][c])  # noqa: E731
     assert mean(match_class(2)) < 0.05 and mean(match_class(9)) > 0.95 and mean(match_class(16)) > 0.95
     assert mean(match_class(3)) == pytest.approx(match_prior_mean(2))  # never observed: still the prior
@@ -271,7 +272,7 @@ def test_a_new_request_keeps_a_few_observations_per_match_length():
     for _ in range(300):
         ctl.hindsight(4, 8, 8)
     ctl.begin_request()
-    b = ctl.fields["bins"][match_class(4)]
+    b = ctl.fields["classes"][match_class(4)]
     assert b["alpha"] + b["beta"] <= MATCH_PRIOR + MATCH_REQUEST_EVIDENCE + 1e-9
     assert b["alpha"] / (b["alpha"] + b["beta"]) > 0.9  # thinned around the same mean
     # the new request's own offers move it within a few tens of rounds (each is free)
@@ -390,3 +391,70 @@ def test_auto_writes_without_drafting_then_copies_with_lookup(qwen05_path):
                if body + 2 <= end - r.emitted and end <= body + min(n_copied, 60)]
     kept = sum(r.accepted for r in copying if r.source == "lookup")
     assert kept >= min(24, n_copied // 2), [(r.drafted, r.accepted, r.source) for r in copying]
+
+
+def _long_draft_controller(seed: int = 1):
+    """A controller drafting up to 64 tokens, B(b) from a kept cost profile where a batch costs what a
+    prefill's rows do: 1 + 0.3 (b - 1) target tokens."""
+    ctl = make_controller("cost-ts", max_draft=64, seed=seed)
+    ctl.learn_in_hindsight(True)
+    assert ctl.prime_costs(T, [1.0 + 0.3 * (b - 1) for b in range(1, 66)])
+    ctl.begin_round()
+    ctl.end_round(np.zeros(0), 0, 0.0, T)  # one plain round: what a target token costs
+    return ctl
+
+
+def test_long_matches_have_classes_of_their_own():
+    assert [match_class(n) for n in range(1, 10)] == list(range(9))  # 1..9 tokens: one class each
+    assert match_class(0) == 0 and match_class(10) == match_class(15) == 9
+    assert [match_class(n) for n in (16, 23, 24, 31, 32, 47, 48, 63)] == [10, 10, 11, 11, 12, 12, 13, 13]
+    assert match_class(64) == match_class(500) == L.N_MATCH - 1
+    assert MATCH_CAP == 64  # lookup measures matches as far as the classes go
+    assert LookupDrafter().lookup_match(list(range(100)) + [7] + list(range(100)), 2)[2] == 64
+
+
+def test_one_miss_deep_in_a_long_offer_does_not_stop_a_long_match():
+    """A 64-token copy that ran 40 tokens and then missed once is what a copy does: it must not price out
+    every long match of the request. The next offer, after a 30-token match, drafts long again."""
+    ctl = _long_draft_controller()
+    for _ in range(3):  # earlier requests: copies run on, short matches fail
+        ctl.begin_request()
+        for _ in range(20):
+            ctl.hindsight(4, 64, 64)
+            ctl.hindsight(1, 64, 0)
+            ctl.hindsight(2, 64, 1)
+    ctl.begin_request()
+    assert _drafted(ctl, 64, 30) >= 24
+    ctl.hindsight(4, 64, 40)  # this request: a copy that missed at its 41st token
+    assert _drafted(ctl, 64, 30) >= 24
+    assert _drafted(ctl, 64, 2) <= 1  # a short match still drafts (next to) nothing
+
+
+def test_a_draft_reaches_as_far_as_its_match():
+    """However well long matches did before, an offer drafts no more tokens than its match is long (and
+    REACH_FLOOR): a 12-token match in a request that has shown nothing yet drafts 12, a 40-token one 40."""
+    ctl = _long_draft_controller()
+    for _ in range(60):
+        ctl.hindsight(8, 64, 64)
+    assert _drafted(ctl, 64, 12) == 12
+    assert _drafted(ctl, 64, 40) == 40
+    assert _drafted(ctl, 64, 64) == 64
+    assert _drafted(ctl, 6, 5) == 6  # (and no more than it offers)
+    assert REACH_FLOOR == 8 and _drafted(ctl, 64, 5) == 8
+
+
+def test_a_long_class_never_seen_plans_as_the_class_below():
+    """A class that saw no offers (here 32 tokens and more) backs off to the class below it, not to a
+    prior of its own: what an offer of lengths never seen would do is guessed from the longest seen."""
+    ctl = _long_draft_controller()
+    for _ in range(40):  # matches of 10-31 tokens went on in 9 offers of 10
+        for m in (10, 16, 24):
+            ctl.hindsight(m, 6, 6)
+            ctl.hindsight(m, 6, 5)
+    ctl.begin_round(64, 0.8, 0, 31)
+    at_31 = float(ctl.fields["chance"][0])
+    ctl.begin_round(64, 0.8, 0, 40)
+    planned = ctl.fields["chance"]
+    assert 0.85 < at_31 < 0.95
+    for i in (0, 8, 24):  # matches of 40 (never seen), 48 and 64 tokens: as 31
+        assert planned[i] == pytest.approx(at_31)

@@ -43,7 +43,11 @@ SRC_NONE = -1  # nothing is drafted this round
 SRC_LOOKUP = 0
 SRC_MODEL = 1
 
-N_BINS = 10  # confidence bins (or, learning in hindsight, match-length classes) of a Thompson state
+N_BINS = 10  # confidence bins of a Thompson state
+# learning in hindsight: one class per match length from 1 to 9, then 10-15, 16-23, 24-31, 32-47, 48-63, 64
+# and more (the lower bounds; thompson.match_class): what a long match does is learned at its own length
+MATCH_EDGES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 16, 24, 32, 48, 64)
+N_MATCH = len(MATCH_EDGES)
 MAX_SRC = 2  # sources a multi-source state holds at most
 
 
@@ -216,7 +220,7 @@ THOMPSON_STATE = HEADER.extend("Thompson", (
     Field("n_resume", doc="catch-up samples behind resume"),
     Field("req_seen", doc="rounds of the current request whose drafts were verified (see thompson.ts_new_request)"),
     # acceptance of free offers is learned from every offer in hindsight (ts_hindsight), not from drafts, by
-    # match length: the bins then hold one Beta (alpha, beta, -) per match-length class (thompson.match_class)
+    # match length: one Beta (alpha, beta, -) per match-length class (the classes field, thompson.match_class)
     Field("hindsight"),
     # a round drafts only if the rate its plan gives (tokens per second, under the round's sample; posterior
     # means in hindsight) beats plain decoding's by this share: the costs a round's plan leaves out
@@ -225,7 +229,8 @@ THOMPSON_STATE = HEADER.extend("Thompson", (
     # 1 / stretch over the stretches that ended: how a resume's catch-up is spread (thompson.resume_cost)
     Field("stretch"),
     Field("stretch_mean"),
-    Field("bins", N_BINS, of=TRIPLE, doc="per confidence bin (or match-length class), see thompson.py"),
+    Field("bins", N_BINS, of=TRIPLE, doc="per confidence bin, see thompson.py"),
+    Field("classes", N_MATCH, of=TRIPLE, doc="in hindsight: per match-length class (MATCH_EDGES), see thompson.py"),
     Field("pos", 0, per_k=1, of=TRIPLE, doc="per draft position (in hindsight: the first holds the request's ratio)"),
     Field("verify", 1, per_k=1, of=VERIFY_PAIR, doc="per batch size 1..K+1"),
     Field("estimate", 1, per_k=1, doc="verify time per batch size 1..K+1 the plan uses (observed, interpolated or assumed)"),

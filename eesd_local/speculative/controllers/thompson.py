@@ -68,8 +68,14 @@ have run, drafted or not: the loop reports each offer once its outcome is known 
 and acceptance is learned from all of them at no cost. With full information nothing is gained
 by exploring: the plan takes posterior means, no probes. The model changes too: what predicts
 whether the next offered token is right is how long the context already matches the offer's
-source (L0 tokens before the round, L0 + i after i accepted drafts), so the confidence bins hold
-one Beta per match length (1..9, 10+), forgotten per request like theta_1. On recorded answers of
+source (L0 tokens before the round, L0 + i after i accepted drafts), so the classes field holds
+one Beta per match-length class (1..9 each, then 10-15, 16-23, 24-31, 32-47, 48-63, 64+: lookup
+measures matches up to 64 tokens), forgotten per request like theta_1. A class spanning w lengths
+keeps w times the evidence (a copy passes each of its lengths once), and from 10 tokens on a class
+backs off to the class below (its prior is that class's mean), so a 64-token draft is planned from
+what long matches did, not from a hopeful prior; and an offer drafts no more tokens than its match is
+long (REACH_FLOOR at least: SuffixDecoding's rule), since the classes pool requests and a chat request
+that happens to match 15 tokens does not copy as an agent's does. On recorded answers of
 the built-in sets (scripts/lookup_replay.py) this is within 1-2% of the best fixed rule per
 category in hindsight, where the position model above lost up to 8% to plain decoding on prose
 (its odds ratios, learned on copy-heavy requests, carried long drafts into prose). Two refinements
@@ -91,7 +97,7 @@ import math
 
 from eesd_local.speculative.controllers.common import discount, ema, observe
 from eesd_local.speculative.controllers.jitcache import kernel
-from eesd_local.speculative.controllers.layout import BP, N_BINS, TR, TS, VP, at
+from eesd_local.speculative.controllers.layout import BP, MATCH_EDGES, N_BINS, N_MATCH, TR, TS, VP, at
 from eesd_local.speculative.controllers.rng import beta, uniform
 
 BIN_PRIOR = 2.0  # prior strength of a confidence bin, centred on the bin's confidence
@@ -107,6 +113,8 @@ REQUEST_PROBES = 2  # a new request's gate stays closed until this many of its r
 MATCH_PRIOR = 2.0  # prior strength of a match-length class (in hindsight)
 MATCH_REQUEST_EVIDENCE = 16.0  # observations each match-length class keeps at a new request (in hindsight)
 MATCH_FORGET = 0.99  # a match-length class keeps ~100 observations (in hindsight)
+BACKOFF_CLASS = 9  # in hindsight: match-length classes from this one (10 tokens and more) back off to the class below
+REACH_FLOOR = 8  # in hindsight: a free offer may draft as many tokens as its match is long, and at least this many
 REQUEST_MATCH = 4  # in hindsight: offers at matches of this many tokens and more share a per-request odds ratio
 REQUEST_MATCH_PRIOR = 4.0  # its prior strength in observations ("as the classes predict")
 PROFILE_COSTS = 2.0  # batch_costs: per size, B(b) fixed from the kept cost profile (Controller.prime_costs)
@@ -237,7 +245,13 @@ def plan_limit(state):
     proposals (offer_n, prompt lookup's continuation) are all it has."""
     k = int(state[TS.max_draft])
     n = int(state[TS.offer_n])
-    return min(k, n) if n > 0 else k
+    if n <= 0:
+        return k
+    if state[TS.hindsight] != 0.0 and state[TS.offer_match] > 0.0:
+        # a free offer reaches no further than its match is long (and REACH_FLOOR tokens): what the classes
+        # pool over requests says little about how far this request's copy runs beyond what it has shown
+        k = min(k, max(REACH_FLOOR, int(state[TS.offer_match])))
+    return min(k, n)
 
 
 @kernel
@@ -367,18 +381,35 @@ def _rate_of(state, out, ve, d, k, resume):
 # (full information): the plan takes posterior means, and a closed gate drafts nothing (no probes).
 # What predicts acceptance is how long the context already matches the offer's source: a token
 # drafted after i accepted ones extends a match of L0 tokens to L0 + i. So one Beta per match-length
-# class (L = 1, 2, .., N_BINS - 1, and N_BINS or more), learned per request (a rewrite copies long
+# class (layout.MATCH_EDGES: 1, 2, .., 9, then 10-15 up to 64 or more), learned per request (a rewrite copies long
 # runs, an essay matches short phrases that its answer does not continue), forgetting by MATCH_FORGET.
 
 
 @kernel
 def match_class(length):
-    return min(max(int(length), 1), N_BINS) - 1
+    """The class of a match of this many tokens: 1..9 each its own, then 10-15, 16-23, 24-31, 32-47,
+    48-63, 64 and more (layout.MATCH_EDGES)."""
+    n = max(int(length), 1)
+    c = 0
+    while c + 1 < N_MATCH and MATCH_EDGES[c + 1] <= n:
+        c += 1
+    return c
+
+
+@kernel
+def class_width(c):
+    """How many match lengths class c spans (the last, open one: as many as the one before it). A run
+    of copied tokens passes through every length of a class, so a class keeps its evidence in runs:
+    width times the tokens of a one-length class (MATCH_FORGET, MATCH_REQUEST_EVIDENCE)."""
+    if c + 1 < N_MATCH:
+        return MATCH_EDGES[c + 1] - MATCH_EDGES[c]
+    return MATCH_EDGES[c] - MATCH_EDGES[c - 1]
 
 
 @kernel
 def match_prior_mean(c):
-    """Before any evidence: a longer match is a safer bet (1 token 0.25, 4 tokens 0.62, 10 or more 0.9)."""
+    """Before any evidence: a longer match is a safer bet (1 token 0.25, 4 tokens 0.62, 10-15 0.9, 64 or
+    more 0.97: the hazard of a miss shrinks by 0.8 a class)."""
     return 1.0 - 0.75 * 0.8 ** c
 
 
@@ -405,16 +436,27 @@ def ts_use_hindsight(state):
     first position's triple holds the request's odds ratio for long matches (_match_planned)."""
     state[TS.hindsight] = 1.0
     _request_ratio_prior(state)
-    for c in range(N_BINS):
-        t = TS.bins + TR.size * c
+    for c in range(N_MATCH):
+        t = TS.classes + TR.size * c
         state[t + TR.alpha], state[t + TR.beta] = _match_prior(c)
         state[t + TR.predicted] = 0.0
 
 
 @kernel
 def _match_mean(state, length):
-    t = TS.bins + TR.size * match_class(length)
-    return state[t + TR.alpha] / (state[t + TR.alpha] + state[t + TR.beta])
+    """The posterior mean of the length's class. From 10 tokens on (BACKOFF_CLASS) a class's prior is
+    not its own but the class below's posterior mean: a longer match is as good a bet as a shorter one
+    until its own offers say otherwise. Long classes see few offers per request, so a fixed prior would
+    decide them: one far more hopeful than the evidence below drafts 64 tokens on nothing."""
+    c = match_class(length)
+    t = TS.classes + TR.size * min(c, BACKOFF_CLASS - 1)
+    m = state[t + TR.alpha] / (state[t + TR.alpha] + state[t + TR.beta])
+    for j in range(BACKOFF_CLASS, c + 1):
+        t = TS.classes + TR.size * j
+        a0, b0 = _match_prior(j)
+        seen = state[t + TR.alpha] + state[t + TR.beta] - a0 - b0
+        m = (state[t + TR.alpha] - a0 + MATCH_PRIOR * m) / (seen + MATCH_PRIOR)
+    return m
 
 
 @kernel
@@ -469,7 +511,7 @@ def ts_hindsight(state, match, n_offered, n_matched):
             state[TS.pos + TR.beta] += 1.0 - accepted
             state[TS.pos + TR.predicted] += _match_mean(state, match + i)
         a0, b0 = _match_prior(c)
-        observe(state, TS.bins + TR.size * c, a0, b0, MATCH_FORGET, accepted)
+        observe(state, TS.classes + TR.size * c, a0, b0, MATCH_FORGET ** (1.0 / class_width(c)), accepted)
     state[TS.req_seen] += 1.0
 
 
@@ -577,9 +619,9 @@ def ts_new_request(state):
     acceptance are kept: they do not change with the request."""
     state[TS.req_seen] = 0.0
     if state[TS.hindsight] != 0.0:  # the match-length classes are the request's: thinned alike
-        for c in range(N_BINS):
+        for c in range(N_MATCH):
             a0, b0 = _match_prior(c)
-            _thin(state, TS.bins + TR.size * c, a0, b0, MATCH_REQUEST_EVIDENCE, False)
+            _thin(state, TS.classes + TR.size * c, a0, b0, MATCH_REQUEST_EVIDENCE * class_width(c), False)
         _request_ratio_prior(state)
         return
     _thin(state, TS.pos, 1.0, 1.0, REQUEST_EVIDENCE, False)
