@@ -200,6 +200,7 @@ def test_a_python_drafter_runs_in_the_same_loop(tiny, controller):
     got, states = {}, {}
     for name, drafter in (("native", "lookup"), ("python", PyLookup())):
         with eesd_local.load(target, drafter=drafter, n_ctx=2048, controller=controller, seed=1) as eng:
+            eng.store = None  # the same rule on both sides: the history alone, no earlier answers
             if controller == "cost-ts":
                 eng.controller.fields["ema_t_draft"] = 1e3
             got[name] = [_events(eng, TINY_PROMPT, max_tokens=120, **kw)
@@ -436,6 +437,7 @@ def test_a_prediction_drafts_and_changes_nothing(tiny, drafter):
     where it does not (an edit), and the output is the one without them, greedy and sampled."""
     target, _ = tiny
     with eesd_local.load(target, drafter=drafter, n_ctx=2048, controller="fixed:8") as eng:
+        eng.store = None  # (the earlier answers would draft where the prediction does not: tested apart)
         want = eng.run(TINY_PROMPT, max_tokens=120)
         answer = [e.token for e in eng.generate(TINY_PROMPT, max_tokens=120) if isinstance(e, TokenEvent)]
         edited = answer[:40] + [7, 8, 9, 10, 11] + answer[50:]  # ten tokens replaced by five others

@@ -150,8 +150,8 @@ class Engine:
             self.controller = self._new_controller(config.controller, n_sources(self.drafter))
             # idle prompts' states in RAM: for a target context of its own (a split target's trunk holds rows too)
             self.prompt_cache = PromptCache(config.cache_ram << 20) if config.cache_ram > 0 and plan is None else None
-            # earlier answers (each after its prompt's end), which prompt lookup searches beside the history
-            self.store = native.require().Store(STORE_TOKENS, STORE_MATCH)
+            # earlier answers (each after its prompt's end), which prompt lookup searches beside the history (None: off)
+            self.store: Any = native.require().Store(STORE_TOKENS, STORE_MATCH)
         except BaseException:
             self.close()
             raise
@@ -322,7 +322,7 @@ class Engine:
                 rounds.close()  # the loop hands its KV records back to the contexts
             if ctx.ptr:  # the rollback always runs: the cache holds exactly the emitted history but `last`
                 ctx.trim(min(ctx.n_past, max(0, len(history) - 1)))
-            if len(history) > len(prompt):  # the answer, after its prompt's end, for lookup in later requests
+            if self.store is not None and len(history) > len(prompt):  # the answer after its prompt's end, for later lookups
                 self.store.add(history[max(0, len(prompt) - STORE_PROMPT_END):])
             stats.t_decode = time.perf_counter() - t_start if t_start else 0.0
         tail = detok.flush()
