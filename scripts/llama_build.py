@@ -3,6 +3,8 @@
     python scripts/llama_build.py install [--python .venv/bin/python]   # llama-cpp-python, patched
     python scripts/llama_build.py check   [--python .venv/bin/python]   # exit 0 if that is what is installed
     python scripts/llama_build.py tools                                 # llama-server and rpc-server, same source and flags
+    CMAKE_ARGS=-DGGML_VULKAN=on python scripts/llama_build.py install --python ENV/bin/python --into DIR
+                                                                        # another build (a GPU backend) for another environment
 
 One source for everything: the llama-cpp-python sdist (downloaded once by pip into build/sdist,
 checked against its sha256), with eesd-local's patch applied (native/patches/*.patch, in name
@@ -10,7 +12,11 @@ order; see the patch's header: batch-invariant decode batches on the CPU). `inst
 llama-cpp-python from it with the RPC backend on and the multimodal library off, plus whatever
 CMAKE_ARGS the environment holds (a GPU backend, say), into a wheel kept under build/wheels
 (installed again from there, with no compile, until the source, the patch or the flags change),
-and records what it built in llama_cpp/lib/eesd-build.json. `tools` builds llama.cpp's own llama-server and rpc-server from the
+and records what it built in llama_cpp/lib/eesd-build.json. With ``--into DIR`` the wheel is kept in
+DIR/wheels instead and compiled in DIR/cmake-KEY, a CMake tree kept between runs: an interrupted
+compile (a GPU backend's shaders take long) goes on where it stopped; ``--patch FILE`` adds a patch
+for that build alone (its own patched tree, key and record). scripts/gpu_path.sh builds the Vulkan test
+environment so, beside the set-up's build. `tools` builds llama.cpp's own llama-server and rpc-server from the
 same patched source with the same CMAKE_ARGS into build/llama-tools/KEY/bin, KEY naming the
 source, the patch and the flags: built once, reused until one of them changes.
 
@@ -38,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 VERSION = "0.3.36"
 SDIST = f"llama_cpp_python-{VERSION}.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-PATCHES = sorted((ROOT / "native" / "patches").glob("*.patch"))
+PATCHES = sorted((ROOT / "native" / "patches").glob("*.patch"))  # and any --patch, after them
 BUILD = ROOT / "build"
 # RPC: the target's layers can live on other machines (eesd rpc-server); LLAVA (libmtmd): unused here
 BASE_CMAKE_ARGS = ["-DGGML_RPC=ON", "-DLLAVA_BUILD=OFF"]
@@ -148,6 +154,7 @@ def run_progress(cmd: list[str], *, cwd: Path | None = None, env: dict[str, str]
     """Run a compile, showing one line per 5% of its steps ([n/N] from ninja, [ p%] from make)."""
     step = re.compile(r"^\s*\[\s*(\d+)/(\d+)\]|^\[\s*(\d+)%\]")
     last = -5
+    total = 0  # the largest step count seen: a sub-build's own [n/N] (the Vulkan shader generator's) is not the build's
     tail: list[str] = []
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -159,6 +166,10 @@ def run_progress(cmd: list[str], *, cwd: Path | None = None, env: dict[str, str]
             m = step.match(line)
             if not m:
                 continue
+            if m.group(1):
+                total = max(total, int(m.group(2)))
+                if int(m.group(2)) < total:
+                    continue
             pct = 100 * int(m.group(1)) // int(m.group(2)) if m.group(1) else int(m.group(3))
             if pct >= last + 5:
                 last = pct
@@ -173,26 +184,31 @@ def run_progress(cmd: list[str], *, cwd: Path | None = None, env: dict[str, str]
         raise BuildError(f"{what} failed (exit {rc}; its last lines are above)")
 
 
-def install(python: str) -> None:
+def install(python: str, into: Path | None = None, deps: bool = True) -> None:
+    """Build (or take the kept wheel) and install it into ``python``'s environment; ``into``: keep the
+    wheel and a resumable CMake tree there rather than in build/wheels (a second build beside the set-up's);
+    ``deps``: False installs the package alone (its dependencies come from elsewhere)."""
     why = check(python)
     if not why:
         print("  llama-cpp-python: already built from the patched source", flush=True)
         return
     args = cmake_args()
-    wheel = built_wheel(args)
+    wheels = WHEELS if into is None else into / "wheels"
+    wheel = built_wheel(args, wheels)
     if wheel is None:
-        wheel = build_wheel(python, args)
+        wheel = build_wheel(python, args, wheels, None if into is None else into / f"cmake-{build_key(args)}")
     else:
-        print(f"  llama-cpp-python: installing the wheel built before ({wheel.relative_to(ROOT)})", flush=True)
+        print(f"  llama-cpp-python: installing the wheel built before ({wheel})", flush=True)
     # its dependencies first, by name from the wheel's metadata (pip resolves them); then the package itself
-    res = subprocess.run([python, "-m", "pip", "install", "-q", str(wheel)], capture_output=True, text=True)
-    if res.returncode != 0:
+    res = subprocess.run([python, "-m", "pip", "install", "-q", str(wheel)], capture_output=True, text=True) if deps else None
+    if res is not None and res.returncode != 0:
         raise BuildError(f"installing llama-cpp-python's dependencies failed: {(res.stderr.strip().splitlines() or [''])[-1]}")
     res = subprocess.run([python, "-m", "pip", "install", "-q", "--force-reinstall", "--no-deps", str(wheel)],
                          capture_output=True, text=True)
     if res.returncode != 0:
         raise BuildError(f"installing {wheel.name} failed: {(res.stderr.strip().splitlines() or [''])[-1]}")
-    code = "import os, llama_cpp; print(os.path.join(os.path.dirname(llama_cpp.__file__), 'lib'))"
+    # found, not imported: without its dependencies it is not importable, yet installed
+    code = "import importlib.util, os; print(os.path.join(os.path.dirname(importlib.util.find_spec('llama_cpp').origin), 'lib'))"
     libdir = Path(subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.strip())
     info = {"version": VERSION, "sdist_sha256": SDIST_SHA256, "patch": patch_digest(), "cmake_args": args,
             "key": build_key(args)}
@@ -203,32 +219,42 @@ WHEELS = BUILD / "wheels"  # the built llama-cpp-python wheel, kept for reuse (s
 WHEEL_KEY = WHEELS / "llama-cpp-python.key"  # build_key() of the wheel there
 
 
-def built_wheel(args: list[str]) -> Path | None:
-    """The llama-cpp-python wheel built before from this source, patch and flags, if it is kept."""
-    wheels = sorted(WHEELS.glob(f"llama_cpp_python-{VERSION}-*.whl"))
-    if len(wheels) == 1 and WHEEL_KEY.is_file() and WHEEL_KEY.read_text().strip() == build_key(args):
-        return wheels[0]
+def built_wheel(args: list[str], wheels: Path = WHEELS) -> Path | None:
+    """The llama-cpp-python wheel built before from this source, patch and flags, if it is kept in ``wheels``."""
+    found = sorted(wheels.glob(f"llama_cpp_python-{VERSION}-*.whl"))
+    key = wheels / WHEEL_KEY.name
+    if len(found) == 1 and key.is_file() and key.read_text().strip() == build_key(args):
+        return found[0]
     return None
 
 
-def build_wheel(python: str, args: list[str]) -> Path:
-    """Compile llama-cpp-python from the patched source into a wheel under build/wheels (the one
-    kept there: a wheel of another source, patch or flags is replaced)."""
+def build_wheel(python: str, args: list[str], wheels: Path = WHEELS, cmake_tree: Path | None = None) -> Path:
+    """Compile llama-cpp-python from the patched source into a wheel under ``wheels`` (the one
+    kept there: a wheel of another source, patch or flags is replaced). ``cmake_tree``: scikit-build-core's
+    build directory, kept (an interrupted compile resumes there; other keys' trees beside it are removed)."""
     tree = source(python)
     env = dict(os.environ, CMAKE_ARGS=" ".join(args))
     env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
     print(f"  building llama-cpp-python {VERSION} from the patched source (CMAKE_ARGS={' '.join(args)})", flush=True)
+    cmd = [python, "-m", "pip", "wheel", "-v", "--no-deps"]
+    if cmake_tree is not None:
+        for old in cmake_tree.parent.glob("cmake-*"):
+            if old != cmake_tree:
+                shutil.rmtree(old, ignore_errors=True)
+        cmake_tree.mkdir(parents=True, exist_ok=True)
+        print(f"  (compiling in {cmake_tree}: an interrupted build goes on from there)", flush=True)
+        cmd.append(f"--config-settings=build-dir={cmake_tree}")
+    BUILD.mkdir(parents=True, exist_ok=True)
     out = Path(tempfile.mkdtemp(prefix=".wheel-", dir=BUILD))
     try:
-        run_progress([python, "-m", "pip", "wheel", "-v", "--no-deps", "-w", str(out), str(tree)], env=env,
-                     what="compiling llama.cpp")
+        run_progress([*cmd, "-w", str(out), str(tree)], env=env, what="compiling llama.cpp")
         (wheel,) = out.glob("llama_cpp_python-*.whl")
-        WHEELS.mkdir(parents=True, exist_ok=True)
-        for old in WHEELS.glob("llama_cpp_python-*.whl"):
+        wheels.mkdir(parents=True, exist_ok=True)
+        for old in wheels.glob("llama_cpp_python-*.whl"):
             old.unlink()
-        kept = WHEELS / wheel.name
+        kept = wheels / wheel.name
         os.replace(wheel, kept)
-        WHEEL_KEY.write_text(build_key(args) + "\n")
+        (wheels / WHEEL_KEY.name).write_text(build_key(args) + "\n")
     finally:
         shutil.rmtree(out, ignore_errors=True)
     return kept
@@ -277,14 +303,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["install", "check", "tools", "source"])
     ap.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"), help="the interpreter of the environment (default .venv)")
+    ap.add_argument("--patch", type=Path, action="append", default=[], metavar="FILE",
+                    help="install, check, source: a patch applied after native/patches for this build only (its own "
+                         "source tree and key; e.g. scripts/patches/ggml-vulkan-old-headers.patch for the gpu-path build)")
+    ap.add_argument("--no-deps", action="store_true", help="install: the package alone, not its dependencies")
+    ap.add_argument("--into", type=Path, help="install: keep the wheel and a resumable CMake tree in this folder "
+                                              "(default: the wheel in build/wheels, a temporary tree)")
     args = ap.parse_args()
+    global PATCHES
+    PATCHES = PATCHES + [f.resolve() for f in args.patch]
     try:
         if args.what == "check":
             why = check(args.python)
             print(why or "llama-cpp-python is built from the patched source")
             return 1 if why else 0
         if args.what == "install":
-            install(args.python)
+            install(args.python, args.into.resolve() if args.into else None, deps=not args.no_deps)
         elif args.what == "tools":
             print(tools(args.python) / "bin")
         else:

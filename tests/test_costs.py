@@ -37,6 +37,22 @@ def test_another_placement_or_model_is_never_used(fake):
     assert calls == [2, 1, 2, 2]
 
 
+def test_offloaded_layers_key_the_profile_by_device(fake, monkeypatch):
+    """One GPU build drives many devices (Vulkan: lavapipe and a real card): a profile with offloaded layers is
+    kept per device; with none offloaded the key is what it was (profiles kept before stay valid)."""
+    model, calls = fake
+    device = ["Vulkan0 (llvmpipe (LLVM 15.0.6, 256 bits))"]
+    monkeypatch.setattr(costs, "offload_device_names", lambda: device)
+    assert "devices" not in costs.fingerprint(model.path, n_threads=2)
+    assert costs.fingerprint(model.path, n_threads=2, n_gpu_layers=-1)["devices"] == device
+    assert "devices" not in costs.fingerprint(model.path, n_threads=2, n_gpu_layers=-1, rpc=("127.0.0.1:50052",))
+    costs.profile(model, n_threads=2, n_gpu_layers=-1)
+    costs.profile(model, n_threads=2, n_gpu_layers=-1)
+    device[0] = "Vulkan0 (NVIDIA H200)"
+    costs.profile(model, n_threads=2, n_gpu_layers=-1)
+    assert calls == [2, 2]
+
+
 def test_a_profile_of_another_cpu_is_not_used(fake):
     model, calls = fake
     fp = costs.fingerprint(model.path, n_threads=2)

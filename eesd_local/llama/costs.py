@@ -2,7 +2,7 @@
 
 B(k) = t(k) / t(1): the time of one decode of k tokens (logits for every row, as a verify does)
 over one token's. It depends on the CPU (its vector units select the kernels), the threads, the
-llama.cpp build, the model file and where its layers run; the profile is kept under the cache's
+llama.cpp build, the model file and where its layers run (with layers offloaded: which devices); the profile is kept under the cache's
 ``costs/`` keyed by all of them, so a profile from another CPU, build or model is never used, and
 a damaged one is measured again (with a note).
 
@@ -30,6 +30,7 @@ import llama_cpp.llama_cpp as raw
 
 from eesd_local.base.atomic import write_text_atomic
 from eesd_local.base.paths import cache_dir
+from eesd_local.llama.ggmlapi import offload_device_names
 from eesd_local.llama.runtime import Context, ContextParams
 
 FORMAT = 1
@@ -120,9 +121,16 @@ def fingerprint(model_path: str | os.PathLike[str], *, n_threads: int, n_gpu_lay
                 rpc: Sequence[str] = ()) -> dict[str, Any]:
     p = Path(model_path).resolve()
     st = p.stat()
-    return {**_cpu(), "threads": int(n_threads), "build": _build(),
-            "model": {"name": p.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns},
-            "n_gpu_layers": int(n_gpu_layers), "rpc": list(rpc)}
+    fp = {**_cpu(), "threads": int(n_threads), "build": _build(),
+          "model": {"name": p.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns},
+          "n_gpu_layers": int(n_gpu_layers), "rpc": list(rpc)}
+    if n_gpu_layers != 0 and not rpc:
+        # which device the layers run on: one build (Vulkan, say) drives many, each with its own B(k)
+        # (lavapipe's and a real GPU's differ by orders of magnitude); CPU-only keys stay as they were
+        devices = offload_device_names()
+        if devices:
+            fp["devices"] = devices
+    return fp
 
 
 def profile_path(fp: dict[str, Any]) -> Path:

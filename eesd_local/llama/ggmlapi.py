@@ -83,6 +83,31 @@ def offload_devices() -> list[str]:
     return out
 
 
+def offload_device_names() -> list[str]:
+    """Each local GPU or accelerator device as ``NAME (DESCRIPTION)`` (``Vulkan0 (llvmpipe (LLVM 15.0.6, 256
+    bits))``, ``CUDA0 (NVIDIA H200)``): what a cost profile measured with offloaded layers is for. RPC
+    servers are left out (named by their addresses, and added only when a model loads)."""
+    syms = [ggml_symbol(f) for f in ("ggml_backend_dev_count", "ggml_backend_dev_get", "ggml_backend_dev_type",
+                                     "ggml_backend_dev_name", "ggml_backend_dev_description")]
+    if None in syms:
+        return []
+    count, get, kind, name, desc = syms
+    count.restype = ctypes.c_size_t
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    kind.restype, kind.argtypes = ctypes.c_int, [ctypes.c_void_p]
+    name.restype, name.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+    desc.restype, desc.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+    init_backend()
+    out = []
+    for i in range(int(count())):
+        dev = get(i)
+        label = (name(dev) or b"?").decode("utf-8", "replace")
+        if kind(dev) == 0 or label.upper().startswith("RPC"):  # GGML_BACKEND_DEVICE_TYPE_CPU; RPC servers
+            continue
+        out.append(f"{label} ({(desc(dev) or b'?').decode('utf-8', 'replace')})")
+    return out
+
+
 def rpc_failures() -> int:
     """RPC connections that failed in this process (ggml-rpc-no-abort.patch); 0 where none was made."""
     fn = ggml_symbol("ggml_backend_rpc_failures")

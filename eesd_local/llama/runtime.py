@@ -157,6 +157,7 @@ class Model:
             add_servers(list(self.rpc))
         params = lc.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
+        self.n_gpu_layers = n_gpu_layers
         params.vocab_only = vocab_only
         ptr = lc.llama_model_load_from_file(os.fsencode(self.path), params)
         if not ptr:
@@ -365,6 +366,10 @@ class Context:
         cp.n_threads = threads
         cp.n_threads_batch = threads
         cp.no_perf = True
+        # no layer offloaded: every op on the CPU. llama.cpp's default (op_offload) otherwise sends a batch of 32
+        # rows or more to a GPU backend of the build (Vulkan, CUDA) even then, whose kernels are not batch-invariant:
+        # a long verify or a prefill in other cuts would leave the CPU's exact kernels while exactness() says exact
+        cp.op_offload = getattr(model, "n_gpu_layers", 0) != 0
         if cb_eval is not None:
             cp.cb_eval = ctypes.cast(cb_eval[0], lc.ggml_backend_sched_eval_callback)
             cp.cb_eval_user_data = ctypes.c_void_p(cb_eval[1])

@@ -138,7 +138,10 @@ def _auto(config: Any, model: Model, trunk: Any) -> tuple[Drafter, str]:
         inner = ModelDrafter(path, model, name="draft-model", **_common(config))
         return AutoDrafter(inner), f"drafter: auto (lookup or the draft model {path.name}, chosen per round)"
     if trunk is not None:
-        return AutoDrafter(ModelDrafter.on_trunk(trunk)), "drafter: auto (lookup or the exit head, chosen per round; shared trunk)"
+        # the verdict that put the head on the trunk (read from the kept cost profile), as the other branches say theirs
+        verdict = auto_head(config, model.path)[1]
+        why = f"; {verdict.note}" if verdict is not None else ""
+        return AutoDrafter(ModelDrafter.on_trunk(trunk)), f"drafter: auto (lookup or the exit head, chosen per round; shared trunk{why})"
     # the exit head is mapped, built and probed only where it could pay: else auto is prompt lookup itself
     head, verdict = auto_head(config, model.path, model)
     if head is None:

@@ -28,6 +28,7 @@ import numpy as np
 
 from eesd_local.base.defaults import BENCH_MAX_TOKENS, BENCH_SEED, DRAFT_MAX, TEMPERATURE, TOP_K, TOP_P
 from eesd_local.base.errors import EesdError
+from eesd_local.llama.ggmlapi import offload_device_names
 from eesd_local.llama.runtime import Context, ContextParams, Model, default_threads
 from eesd_local.speculative import lossless
 from eesd_local.speculative.drafters import resolve_head
@@ -427,6 +428,10 @@ def machine_info(cfg: BenchConfig, n_threads: int) -> dict:
 
 
 def _gpu_name() -> str | None:
+    # the devices llama.cpp offloads to, as it names them (Vulkan0 (llvmpipe ...), CUDA0 (NVIDIA H200), Metal ...)
+    names = offload_device_names()
+    if names:
+        return ", ".join(names)
     if shutil.which("nvidia-smi"):
         try:
             out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True,
