@@ -372,6 +372,12 @@ class Engine:
                 self.controller = self._new_controller(config.controller, n_sources(drafter))
             return note
 
+    def forget_answers(self) -> None:
+        """Empty the store of earlier answers that prompt lookup searches (a benchmark's repeat, a new user)."""
+        with self._lock:
+            if self.store is not None:
+                self.store = native.require().Store(STORE_TOKENS, STORE_MATCH)
+
     def set_controller(self, spec: str) -> None:
         """Switch the draft-length controller (between requests); it starts with a fresh belief."""
         with self._lock:

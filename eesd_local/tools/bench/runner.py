@@ -369,6 +369,9 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> Results:
             res.batch_costs = table.to_json()
         done = 0
         for rep in range(cfg.repeats):
+            for m in methods:  # a repeat measures the same requests again, not answers recalled from the last one
+                if isinstance(m, EngineMethod):
+                    m.forget_answers()
             for k, item in enumerate(items):
                 seed = None if cfg.temperature == 0 else cfg.seed + 100_003 * rep + k
                 s = Sampling(cfg.max_tokens, cfg.temperature, cfg.top_k, cfg.top_p, seed)
