@@ -272,7 +272,7 @@ class Engine:
                 ctl.prime_resume(share * t_fed / n_fed)  # until measured: catching up ~ its share of a prefill
             rounds = Rounds(ctx, drafter, ctl, params, rng, draft_max=self.config.draft_max,
                             batch_s=self.config.batch_ms / 1000.0, prediction=prediction, n_prompt=len(prompt),
-                            store=self.store)
+                            store=self.store if params.greedy else None)  # a seed's sampled text: never the store's
             self._live = rounds
             stats.t_prefill = time.perf_counter() - t0
             t_start = time.perf_counter()
