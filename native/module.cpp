@@ -138,6 +138,7 @@ PYBIND11_MODULE(_native, m) {
         .def("limit", &PyRounds::limit, py::arg("which"), py::arg("n_ctx"), "Hold a context to fewer positions than its KV size.")
         .def("tokens", &PyRounds::tokens, py::arg("which"), "What a KV cache holds, position by position.")
         .def("set_history", &PyRounds::set_history, py::arg("history"), "The emitted history the next round continues.")
+        .def("set_model_max", &PyRounds::set_model_max, py::arg("n"), "A drafting model drafts at most n tokens a round.")
         .def("set_lookup", &PyRounds::set_lookup, py::arg("ngram_min"), py::arg("ngram_max"),
              "Run the lookup drafter's n-gram search with these sizes (0, 0: no lookup).")
         .def(

@@ -137,7 +137,8 @@ int Rounds::draft(int max_n, double conf, int mode) {
         if (src == SRC_MODEL && !dft_.ctx) src = SRC_NONE;
     }
     if (src == SRC_LOOKUP) propose_point(max_n, conf);
-    if (src == SRC_MODEL) propose_model(max_n, mode == MODEL);  // hierarchical: the lookup's proposals are its guesses
+    // a drafting model stops at model_max_ (hierarchical: the lookup's proposals are its guesses)
+    if (src == SRC_MODEL) propose_model(std::min(max_n, model_max_), mode == MODEL);
     return src;
 }
 
@@ -184,19 +185,27 @@ bool Rounds::covered(size_t start, const std::vector<llama_token>& toks) const {
     return false;
 }
 
-// report the offers the history now resolves (a token that differs from the
-// offer, or every offered token emitted), keep the rest
+// report what the history now tells of each pending offer: its tokens the target has emitted since
+// the last report (accepted, at their match lengths), and at its end (a token that differs from the
+// offer, or every offered token emitted) the miss; resolved offers go. A long offer in a copy is thus
+// learned from while the copy runs, not once it ends: a 60-token offer drafted nothing while its
+// match classes waited for its last token (tests/test_hindsight.py)
 void Rounds::see_offers() {
     size_t keep = 0;
     for (size_t i = 0; i < offers_.size(); i++) {
         PendingOffer& o = offers_[i];
-        size_t n = o.toks.size();
+        size_t n = o.toks.size(), r = o.reported;
         size_t lim = std::min(history_.size() - o.start, n);
-        size_t m = 0;
+        size_t m = r;
         while (m < lim && history_[o.start + m] == o.toks[m]) m++;
+        auto report = [&](size_t offered, size_t matched) {
+            hindsight_(st_, n_st_, o.match + static_cast<int64_t>(r), static_cast<int64_t>(offered), static_cast<int64_t>(matched));
+        };
         if (m < lim || m == n) {
-            hindsight_(st_, n_st_, o.match, static_cast<int64_t>(n), static_cast<int64_t>(m));
+            report(n - r, m - r);
         } else {
+            if (m > r) report(m - r, m - r);  // all of them emitted so far: accepted, no miss yet
+            o.reported = m;
             if (keep != i) offers_[keep] = std::move(o);
             keep++;
         }

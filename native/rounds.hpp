@@ -124,6 +124,8 @@ class Rounds {
     int room() { return open_target().room(); }
     // the lookup drafter's n-gram sizes: its search runs here, on the history this loop holds (0, 0: off)
     void set_lookup(int ngram_min, int ngram_max);
+    // a drafting model drafts at most n tokens a round (free offers: up to the round's limit)
+    void set_model_max(int n) { model_max_ = std::max(0, n); }
     // where the offer, the source and the catch-up time live in the controller's state
     void set_slots(const Slots& s) { slots_ = s; }
     // Report every lookup offer to the controller once the emitted tokens resolve it (rounds.Hindsight):
@@ -195,11 +197,13 @@ class Rounds {
     double t_catchup_ = 0.0;  // this round's draft model catch-up seconds
     int ngram_min_ = 0, ngram_max_ = 0;
     int match_len_ = 0;  // the last lookup's match length (up to MATCH_CAP)
+    int model_max_ = 1 << 30;  // most tokens a drafting model drafts a round (set_model_max)
     hindsight_fn hindsight_ = nullptr;
     struct PendingOffer {
         size_t start;  // history length when offered
         std::vector<llama_token> toks;
         int match;
+        size_t reported = 0;  // its first tokens the target emitted, reported already (see_offers)
     };
     std::vector<PendingOffer> offers_;  // lookup offers not yet resolved by emitted tokens
     bool covered(size_t start, const std::vector<llama_token>& toks) const;

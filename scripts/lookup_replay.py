@@ -34,6 +34,7 @@ import numpy as np
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))  # tests.reference
 
+from eesd_local.base.defaults import DRAFT_MAX  # noqa: E402
 from eesd_local.llama import costs, native  # noqa: E402
 from eesd_local.speculative.controllers import make_controller  # noqa: E402
 from eesd_local.speculative.drafters.base import Offer  # noqa: E402
@@ -257,7 +258,7 @@ def main() -> None:
     r = sub.add_parser("replay")
     r.add_argument("traces")
     r.add_argument("--controller", default="cost-ts")
-    r.add_argument("--draft-max", type=int, default=8)
+    r.add_argument("--draft-max", type=int, default=DRAFT_MAX)
     r.add_argument("--seeds", type=int, default=3)
     r.add_argument("--noise", type=float, default=0.05)
     r.add_argument("--category", default="")

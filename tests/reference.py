@@ -249,7 +249,7 @@ class Hindsight:
 
     def __init__(self, controller: Any) -> None:
         self.ctl = controller
-        self.pending: list[tuple[int, tuple[int, ...], int]] = []
+        self.pending: list[tuple[int, tuple[int, ...], int, int]] = []  # start, tokens, match, reported
 
     def clear(self) -> None:
         self.pending.clear()
@@ -258,21 +258,24 @@ class Hindsight:
         """A new offer, unless a pending one already predicts its tokens (the same copy, offered again a
         round later): the emitted tokens would be counted once per offer, and the copy's end, where the
         longest matches stop, as many misses as there were rounds in it."""
-        if tokens and not any(covers(s, toks, start, tokens) for s, toks, _ in self.pending):
-            self.pending.append((start, tokens, match))
+        if tokens and not any(covers(s, toks, start, tokens) for s, toks, _, _ in self.pending):
+            self.pending.append((start, tokens, match, 0))
 
     def see(self, history: list[int]) -> None:
-        """Report the offers this history resolves; keep the rest."""
+        """Report what this history tells of each pending offer: the tokens of it emitted since the last
+        report (accepted, at match lengths match + r ...), and once it is resolved the miss; keep the rest."""
         keep = []
-        for start, toks, match in self.pending:
+        for start, toks, match, r in self.pending:
             lim = min(len(history) - start, len(toks))
             m = 0
             while m < lim and history[start + m] == toks[m]:
                 m += 1
             if m < lim or m == len(toks):
-                self.ctl.hindsight(match, len(toks), m)  # type: ignore[attr-defined]
+                self.ctl.hindsight(match + r, len(toks) - r, m - r)  # type: ignore[attr-defined]
             else:
-                keep.append((start, toks, match))
+                if m > r:
+                    self.ctl.hindsight(match + r, m - r, m - r)  # type: ignore[attr-defined]
+                keep.append((start, toks, match, m))
         self.pending = keep
 
 

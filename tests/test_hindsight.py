@@ -189,16 +189,21 @@ class _Recorder:
         self.calls.append((match, n_offered, n_matched))
 
 
-def test_an_offer_is_reported_once_when_the_emitted_tokens_resolve_it():
+def test_an_offer_is_reported_as_the_emitted_tokens_resolve_it():
+    """What the emitted tokens have shown of an offer is reported as soon as they show it (its tokens matched
+    so far: accepted at their match lengths), and the miss once it comes: a long copy's offer teaches its
+    match classes while the copy runs, not after its last token."""
     rec = _Recorder()
     hs = Hindsight(rec)  # type: ignore[arg-type]
     hist = [1, 2, 3]
     hs.add(len(hist), (5, 6, 7), 4)
-    hs.see(hist + [5])  # one token in, all matched so far: pending
-    assert rec.calls == []
+    hs.see(hist + [5])  # one token in, all matched so far: reported as accepted, still pending
+    assert rec.calls == [(4, 1, 1)] and len(hs.pending) == 1
+    hs.see(hist + [5])  # nothing new: nothing reported
+    assert rec.calls == [(4, 1, 1)]
     hs.add(4, (9,), 2)
-    hs.see(hist + [5, 6, 8])  # the first offer misses at its third token; the second missed at once
-    assert rec.calls == [(4, 3, 2), (2, 1, 0)]
+    hs.see(hist + [5, 6, 8])  # the first offer misses at its third token (after a 5-token match); the second at once
+    assert rec.calls == [(4, 1, 1), (5, 2, 1), (2, 1, 0)]
     hs.add(6, (1, 2), 6)
     hs.see(hist + [5, 6, 8, 1, 2, 3])  # every offered token emitted
     assert rec.calls[-1] == (6, 2, 2) and hs.pending == []
@@ -220,7 +225,7 @@ def test_the_same_copy_offered_again_is_counted_once():
     hs.add(4, (6, 0), 2)  # another continuation: a new offer
     assert [p[0] for p in hs.pending] == [3, 4] and hs.pending[1][1] == (6, 0)
     hs.see(hist + [5, 6, 7, 1])
-    assert rec.calls == [(4, 4, 3), (2, 2, 1)]
+    assert rec.calls == [(4, 1, 1), (5, 3, 2), (2, 2, 1)]
     assert covers(3, (5, 6), 5, (1,)) is False  # no overlap: a new offer
 
 
@@ -371,7 +376,8 @@ def _longest_copy(prompt: list[int], toks: list[int], n: int = 4) -> tuple[int, 
 
 def test_auto_writes_without_drafting_then_copies_with_lookup(qwen05_path):
     """One request that writes something new (a docstring) and then copies its input (the function's
-    body): once it copies, lookup drafts long runs and keeps them. The output is plain decoding's.
+    body): once it copies, lookup drafts long runs (longer than 8 tokens, with the default draft_max) and
+    keeps them. The output is plain decoding's.
     (What drafting costs while it writes depends on this machine's timings: `eesd bench` measures it.)"""
     msg = [{"role": "user", "content": ASK}]
     with eesd_local.load(qwen05_path, drafter="none") as plain:
@@ -391,6 +397,9 @@ def test_auto_writes_without_drafting_then_copies_with_lookup(qwen05_path):
                if body + 2 <= end - r.emitted and end <= body + min(n_copied, 60)]
     kept = sum(r.accepted for r in copying if r.source == "lookup")
     assert kept >= min(24, n_copied // 2), [(r.drafted, r.accepted, r.source) for r in copying]
+    # and drafts as far as the copy has shown it runs: past the 8 tokens a short match may draft (REACH_FLOOR),
+    # which it could not while a long offer was learned from only at its end (see_offers)
+    assert max(r.drafted for r in copying) > REACH_FLOOR, [(r.drafted, r.accepted, r.source) for r in copying]
 
 
 def _long_draft_controller(seed: int = 1):

@@ -19,7 +19,7 @@ from eesd_local.speculative.engine import EngineConfig, check_config
 
 _DEFAULT = EngineConfig()
 # the EngineConfig fields that add_engine_args makes flags of (seed is the controller's, not sampling's --seed)
-ENGINE_FLAGS = ("model", "drafter", "head", "draft_model", "controller", "draft_max", "n_ctx", "n_gpu_layers", "n_threads",
+ENGINE_FLAGS = ("model", "drafter", "head", "draft_model", "controller", "draft_max", "model_draft_max", "n_ctx", "n_gpu_layers", "n_threads",
                 "batch_ms", "shared_trunk", "cache_reuse", "rpc", "cache_ram")
 
 
@@ -43,7 +43,11 @@ def add_engine_args(p: argparse.ArgumentParser, *, positional_model: bool = Fals
                         "--no-shared-trunk: always as a separate draft model holding its own copy of them")
     p.add_argument("--controller", default=None,
                    help="draft-length controller: cost-ts (default), beta-ts, calibration-ts, fixed:K, pmin:P, heuristic")
-    p.add_argument("--draft-max", type=int, default=_DEFAULT.draft_max, help="most tokens drafted per round (default %(default)s)")
+    p.add_argument("--draft-max", type=int, default=_DEFAULT.draft_max,
+                   help="most tokens drafted per round (default %(default)s: prompt lookup, earlier answers and a prediction "
+                        "draft as far as their match is long, up to this)")
+    p.add_argument("--model-draft-max", type=int, default=_DEFAULT.model_draft_max,
+                   help="most tokens a drafting model (the exit head, a draft model) drafts per round (default %(default)s)")
     p.add_argument("--n-ctx", "--ctx", dest="n_ctx", type=int, default=_DEFAULT.n_ctx,
                    help="context size in tokens (default %(default)s)")
     p.add_argument("--n-gpu-layers", type=int, default=_DEFAULT.n_gpu_layers, help="layers to offload to the GPU (-1: all)")

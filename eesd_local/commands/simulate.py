@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from eesd_local.base.defaults import DRAFT_MAX
+from eesd_local.base.defaults import MODEL_DRAFT_MAX as DRAFT_MAX  # the simulator's drafters are models
 from eesd_local.base.errors import EesdError
 from eesd_local.tools.simulate_sources import SOURCE_PROCESSES
 from eesd_local.tools.simulate_sources import table as sources_table

@@ -18,7 +18,18 @@ from typing import Any
 
 import numpy as np
 
-from eesd_local.base.defaults import BATCH_MS, CACHE_RAM_MB, DRAFT_MAX, MAX_TOKENS, N_CTX, SEED, TEMPERATURE, TOP_K, TOP_P
+from eesd_local.base.defaults import (
+    BATCH_MS,
+    CACHE_RAM_MB,
+    DRAFT_MAX,
+    MAX_TOKENS,
+    MODEL_DRAFT_MAX,
+    N_CTX,
+    SEED,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+)
 from eesd_local.base.errors import EesdError
 from eesd_local.base.params import (
     MAX_THREADS,
@@ -62,7 +73,8 @@ class EngineConfig:
     head: str | None = None  # exit-head GGUF for eesd (default: the shipped head for the model)
     draft_model: str | None = None  # GGUF or registry name for draft-model
     controller: Any = None  # a Controller, a spec like "cost-ts" / "fixed:4", or None for the default
-    draft_max: int = DRAFT_MAX
+    draft_max: int = DRAFT_MAX  # most tokens a round drafts (a free offer drafts as far as its match is long)
+    model_draft_max: int = MODEL_DRAFT_MAX  # most tokens a drafting model (exit head, draft model) drafts a round
     n_ctx: int = N_CTX
     n_gpu_layers: int = 0
     n_threads: int | None = None
@@ -271,6 +283,7 @@ class Engine:
             if share and n_fed >= 16:
                 ctl.prime_resume(share * t_fed / n_fed)  # until measured: catching up ~ its share of a prefill
             rounds = Rounds(ctx, drafter, ctl, params, rng, draft_max=self.config.draft_max,
+                            model_draft_max=self.config.model_draft_max,
                             batch_s=self.config.batch_ms / 1000.0, prediction=prediction, n_prompt=len(prompt),
                             store=self.store if params.greedy else None)  # a seed's sampled text: never the store's
             self._live = rounds
@@ -389,7 +402,7 @@ class Engine:
     def _new_controller(self, spec: Any, sources: int) -> Controller:
         """A controller for ``spec``; a fresh one knows this machine's batch costs from the kept cost
         profile (:meth:`Controller.prime_costs`) where one is kept for this model and placement."""
-        ctl = _make_controller(spec, self.config.draft_max, self.config.seed, sources)
+        ctl = _make_controller(spec, self.config.draft_max, self.config.seed, sources, self.config.model_draft_max)
         if not self.drafter.drafts or not isinstance(ctl, StateController) or ctl is spec:
             return ctl
         try:
@@ -506,7 +519,8 @@ def check_config(config: EngineConfig) -> None:
         value = getattr(config, name)
         if value is not None and not isinstance(value, str | os.PathLike):
             raise ParamError(name, f"{name} must be a path (a string), got {show(value)}")
-    check_int("draft_max", config.draft_max, 1, hint="the most tokens drafted per round, e.g. 8 (--draft-max 8)")
+    check_int("draft_max", config.draft_max, 1, hint="the most tokens drafted per round, e.g. 64 (--draft-max 64)")
+    check_int("model_draft_max", config.model_draft_max, 1, hint="the most tokens a drafting model drafts per round, e.g. 8")
     check_int("n_ctx", config.n_ctx, 1, hint="the context size in tokens, e.g. 4096 (--n-ctx 4096)")
     check_int("n_gpu_layers", config.n_gpu_layers, -1, hint="layers offloaded to a GPU: 0 for none, -1 for all")
     check_optional_int("n_threads", config.n_threads, 1, MAX_THREADS, hint="leave it out to use every core")
@@ -522,8 +536,8 @@ def check_config(config: EngineConfig) -> None:
         parse_endpoints(list(config.rpc))
 
 
-def _make_controller(spec: Any, draft_max: int, seed: int, sources: int = 1) -> Controller:
+def _make_controller(spec: Any, draft_max: int, seed: int, sources: int = 1, model_max: int = MODEL_DRAFT_MAX) -> Controller:
     if spec is not None and not isinstance(spec, str):
         return spec  # a Controller object
 
-    return make_controller(spec or DEFAULT_CONTROLLER, max_draft=draft_max, seed=seed, sources=sources)
+    return make_controller(spec or DEFAULT_CONTROLLER, max_draft=draft_max, seed=seed, sources=sources, model_max=model_max)

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
+from eesd_local.base.defaults import MODEL_DRAFT_MAX
 from eesd_local.base.errors import ContextFullError, EesdError
 from eesd_local.llama import native as native_ext
 from eesd_local.llama.ggmlapi import rpc_failures
@@ -132,7 +133,7 @@ class Rounds:
 
     def __init__(self, ctx: Context, drafter: Drafter, controller: Controller, params: SamplingParams, rng: TokenRNG,
                  *, draft_max: int, batch_s: float = 0.0, prediction: list[int] | None = None, n_prompt: int = 0,
-                 store: Any = None) -> None:
+                 store: Any = None, model_draft_max: int = MODEL_DRAFT_MAX) -> None:
         native = native_ext.require()
         spec = drafter.native()
         self.mode = _mode(spec)
@@ -175,6 +176,7 @@ class Rounds:
                 self.rounds.limit(which, c.n_ctx)
         if spec.lookup is not None:  # the n-gram search runs in C++, on the history the extension holds
             self.rounds.set_lookup(*spec.lookup)
+        self.rounds.set_model_max(model_draft_max)  # a drafting model stops there; free offers go to draft_max
         self._started = False
         self.draft_max = draft_max
         # rounds run ahead, in order: (drafted, accepted, next token, t_draft, t_verify, the draft

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eesd_local.base.defaults import DRAFT_MAX
+from eesd_local.base.defaults import MODEL_DRAFT_MAX as DRAFT_MAX  # the simulator's drafters are models
 from eesd_local.speculative.controllers import layout as L
 from eesd_local.speculative.controllers import make_controller
 from eesd_local.tools.simulator import PROFILES, T_TOKEN, TIMING_NOISE, CostProfile

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eesd_local.base.defaults import DRAFT_MAX
+from eesd_local.base.defaults import MODEL_DRAFT_MAX as DRAFT_MAX  # the simulator's drafters are models
 from eesd_local.speculative.controllers import make_controller
 from eesd_local.speculative.controllers.jitcache import kernel
 from eesd_local.speculative.controllers.kernels import controller_begin, controller_decide, controller_update
@@ -186,7 +186,7 @@ def simulate(
     """Per-round (expected tokens, seconds, drafted) for one controller on one process and profile.
 
     options: extra keyword arguments for make_controller (eps, forget)."""
-    ctrl = make_controller(spec, max_draft=max_draft, seed=seed, **(options or {}))
+    ctrl = make_controller(spec, max_draft=max_draft, seed=seed, model_max=max_draft, **(options or {}))
     out = np.zeros((rounds, 3))
     run_rounds(ctrl.state, process.array(), profile.verify(max_draft), profile.draft_cost, T_TOKEN, TIMING_NOISE, rounds, _rng(seed), out)
     return out
@@ -340,7 +340,7 @@ def decision_cost(spec: str, *, max_draft: int = DRAFT_MAX, n: int = 200_000) ->
 
     The controller first learns 2000 rounds of iid-0.7 on gpu-d0.1, so its state is mature.
     """
-    ctrl = make_controller(spec, max_draft=max_draft, seed=1)
+    ctrl = make_controller(spec, max_draft=max_draft, seed=1, model_max=max_draft)
     warm = np.zeros((2000, 3))
     prof = PROFILES["gpu-d0.1"]
     run_rounds(ctrl.state, PROCESSES["iid-0.7"].array(), prof.verify(max_draft), prof.draft_cost, T_TOKEN, TIMING_NOISE, 2000, _rng(1), warm)
@@ -366,7 +366,7 @@ def decision_cost(spec: str, *, max_draft: int = DRAFT_MAX, n: int = 200_000) ->
 
 def decision_trace(spec: str, process: str, profile: str, *, rounds: int = 300, seed: int = 0, max_draft: int = DRAFT_MAX) -> tuple[np.ndarray, np.ndarray]:
     """(per-round results, final controller state) of one short run: what the JIT / no-JIT check compares."""
-    ctrl = make_controller(spec, max_draft=max_draft, seed=seed)
+    ctrl = make_controller(spec, max_draft=max_draft, seed=seed, model_max=max_draft)
     out = np.zeros((rounds, 3))
     prof = PROFILES[profile]
     run_rounds(ctrl.state, PROCESSES[process].array(), prof.verify(max_draft), prof.draft_cost, T_TOKEN, TIMING_NOISE, rounds, _rng(seed), out)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from numpy.lib import recfunctions
 
-from eesd_local.base.defaults import DRAFT_MAX
+from eesd_local.base.defaults import MODEL_DRAFT_MAX
 from eesd_local.base.errors import EesdError
 from eesd_local.speculative.controllers import layout as L
 from eesd_local.speculative.controllers.baselines import HEURISTIC_START
@@ -284,11 +284,13 @@ def _bad_spec(spec: str, why: str) -> EesdError:
     )
 
 
-def make_controller(spec: str, *, max_draft: int = DRAFT_MAX, seed: int = 0, eps: float = TS_EPS, forget: float = TS_FORGET,
-                    sources: int = 1) -> Controller:
+def make_controller(spec: str, *, max_draft: int = MODEL_DRAFT_MAX, seed: int = 0, eps: float = TS_EPS, forget: float = TS_FORGET,
+                    sources: int = 1, model_max: int = MODEL_DRAFT_MAX) -> Controller:
     """A fresh controller from its spec; raises EesdError on a bad spec. ``sources`` > 1: a
     Thompson spec becomes a multi-source controller (one state per source, see multi.py) that
-    chooses each round which source drafts; baseline rules leave the choice to the drafter."""
+    chooses each round which source drafts; baseline rules leave the choice to the drafter.
+    ``model_max``: a Thompson plan without a free offer (a drafting model's) counts on at most this
+    many tokens (and max_draft); the round loop cuts a model's draft there for every controller."""
     if not isinstance(max_draft, int) or max_draft < 1:
         raise EesdError(f"max_draft must be a positive integer, got {max_draft!r}", hint="e.g. --draft-max 8")
     if sources not in range(1, L.MAX_SRC + 1):
@@ -296,7 +298,7 @@ def make_controller(spec: str, *, max_draft: int = DRAFT_MAX, seed: int = 0, eps
     name, _, arg = spec.strip().lower().partition(":")
     if name in ("beta-ts", "calibration-ts", "cost-ts") and sources > 1:
         # one whole Thompson state per source, behind a header of its own (multi.py)
-        subs = [make_controller(spec, max_draft=max_draft, seed=seed + 7919 * (i + 1), eps=eps, forget=forget)
+        subs = [make_controller(spec, max_draft=max_draft, seed=seed + 7919 * (i + 1), eps=eps, forget=forget, model_max=model_max)
                 for i in range(sources)]
         state, f = _new_state(L.MULTI, max_draft, seed, n_src=sources)
         f["n_src"] = sources
@@ -314,6 +316,7 @@ def make_controller(spec: str, *, max_draft: int = DRAFT_MAX, seed: int = 0, eps
         f["use_bins"] = bins
         f["batch_costs"] = batch
         f["margin"] = margin
+        f["model_max"] = min(max_draft, max(1, int(model_max)))
         f["eps"] = eps
         f["forget"] = forget
         half = POS_PRIOR / 2.0

@@ -229,6 +229,7 @@ THOMPSON_STATE = HEADER.extend("Thompson", (
     # 1 / stretch over the stretches that ended: how a resume's catch-up is spread (thompson.resume_cost)
     Field("stretch"),
     Field("stretch_mean"),
+    Field("model_max", doc="most tokens a round without a free offer (a drafting model) plans on (<= K)"),
     Field("bins", N_BINS, of=TRIPLE, doc="per confidence bin, see thompson.py"),
     Field("classes", N_MATCH, of=TRIPLE, doc="in hindsight: per match-length class (MATCH_EDGES), see thompson.py"),
     Field("pos", 0, per_k=1, of=TRIPLE, doc="per draft position (in hindsight: the first holds the request's ratio)"),

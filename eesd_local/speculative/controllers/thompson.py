@@ -242,11 +242,12 @@ def _observe_ratio(state, t, strength, prior_mean, accepted, predicted):
 @kernel
 def plan_limit(state):
     """Most tokens this round's plan counts on: max_draft, or fewer when the drafter's free
-    proposals (offer_n, prompt lookup's continuation) are all it has."""
+    proposals (offer_n, prompt lookup's continuation) are all it has; a drafting model (no free
+    offer) at most model_max."""
     k = int(state[TS.max_draft])
     n = int(state[TS.offer_n])
     if n <= 0:
-        return k
+        return min(k, int(state[TS.model_max])) if state[TS.model_max] > 0.0 else k
     if state[TS.hindsight] != 0.0 and state[TS.offer_match] > 0.0:
         # a free offer reaches no further than its match is long (and REACH_FLOOR tokens): what the classes
         # pool over requests says little about how far this request's copy runs beyond what it has shown
