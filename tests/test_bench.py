@@ -15,7 +15,7 @@ from eesd_local.speculative.events import Stats
 from eesd_local.tools.bench import runner
 from eesd_local.tools.bench.methods import EngineMethod, MethodSpec, Sampling, parse_methods
 from eesd_local.tools.bench.prompts import CHAT_KINDS, PromptItem, chat_kind, chat_set, code_set, load_prompts, rewrite_set
-from eesd_local.tools.bench.report import REQUIRED_KEYS, projected_speedup
+from eesd_local.tools.bench.report import REQUIRED_KEYS, draft_histogram, draft_lengths_markdown, projected_speedup
 from eesd_local.tools.heads.data import heldout_sharegpt_range, is_heldout_module, sharegpt_records
 
 from .conftest import QWEN05
@@ -141,15 +141,22 @@ def test_method_specs():
 def test_tiny_run_through_the_cli(tmp_path, qwen05_path):
     prompts = _write(tmp_path / "tiny.jsonl", [LINES[0], LINES[2]])
     out, plots, md = tmp_path / "out.json", tmp_path / "plots", tmp_path / "out.md"
-    argv = ["bench", "--model", QWEN05, "--prompts", str(prompts), "--methods", "none,lookup,llama-cpp-python",
+    argv = ["bench", "--model", QWEN05, "--prompts", str(prompts), "--methods", "none,lookup,llama-cpp-python,serve:eesd:none",
             "--max-tokens", "16", "--warmup-tokens", "2", "--ctx", "512", "--json", str(out), "--plots", str(plots),
             "--markdown", str(md)]
     assert cli.main(argv) == 0
     data = json.loads(out.read_text())
     assert data["model"] == QWEN05
     assert data["machine"]["cores"] >= 1 and "gpu" in data["machine"]
-    assert data["run"]["complete"] and data["run"]["runs_done"] == 6
-    assert set(data["methods"]) == {"none", "lookup", "llama-cpp-python"}
+    assert data["run"]["complete"] and data["run"]["runs_done"] == 8
+    assert set(data["methods"]) == {"none", "lookup", "llama-cpp-python", "serve:eesd:none"}
+    # eesd serve, streamed over HTTP: the same answers, and its time to the first token of each turn
+    serve = data["methods"].pop("serve:eesd:none")
+    assert serve["all"]["identical"] == 2 and serve["all"]["tokens_per_s"] > 0
+    ttft = serve["chat"]["prefill_s_by_turn"]
+    assert len(ttft) == 2 and all(t is not None and t > 0 for t in ttft)
+    assert len(data["methods"]["none"]["chat"]["prefill_s_by_turn"]) == 2 and data["methods"]["none"]["code"]["prefill_s_by_turn"] == []
+    assert "seconds to the first token, by turn" in md.read_text()
     for method, by_cat in data["methods"].items():
         assert set(by_cat) == {"code", "chat", "all"}
         for cat, f in by_cat.items():
@@ -229,3 +236,12 @@ def test_ctrl_c_reports_what_was_measured(tmp_path, qwen05_path, monkeypatch):
     data = json.loads(out.read_text())
     assert data["run"]["complete"] is False and data["run"]["runs_done"] == 2 and data["run"]["runs_planned"] == 4
     assert data["methods"]["lookup"]["code"]["n_prompts"] == 1 and data["methods"]["none"]["code"]["n_prompts"] == 1
+
+
+def test_the_draft_length_distribution_counts_rounds_by_tokens_drafted():
+    h = draft_histogram([0, 0, 3, 5, 9, 20, 40, 64])
+    assert h == {"rounds": {"0": 2, "1-3": 1, "4-8": 1, "9-16": 1, "17-32": 1, "33+": 2}, "longest": 64}
+    md = draft_lengths_markdown({"auto": {"code": {"draft_lengths": h}}, "none": {"code": {"draft_lengths": draft_histogram([0])}}},
+                                ["code"])
+    assert "| auto | code | 25% | 12% | 12% | 12% | 12% | 25% | 64 |" in md
+    assert "| none |" not in md  # a method that never drafted has no row

@@ -63,8 +63,11 @@ class MethodSpec:
 
     @property
     def family(self) -> str:
-        """Methods compared with one plain reference: ours and llama-cpp-python's (``none``), llama-server's
-        (``llama-server``), end to end over HTTP (``serve:llama-server``)."""
+        """Methods compared with one plain reference: ours and llama-cpp-python's (``none``; ``eesd serve`` over
+        HTTP too, by text: it is our engine), llama-server's (``llama-server``), llama-server's over HTTP
+        (``serve:llama-server``)."""
+        if self.drafter == "http" and self.http_server == "eesd":
+            return "none"
         return {"server": SERVER, "http": "serve:" + SERVER}.get(self.drafter, "none")
 
     @property

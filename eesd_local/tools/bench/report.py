@@ -81,8 +81,12 @@ def figures(res: Results, method: str, runs: list[Run], plain: dict[tuple[str, s
         "n_runs": len(runs),
         "n_generated": sum(t.n for t in turns),
         "prefill_s": _div(sum(t.t_prefill for t in turns), len(turns)),
+        # time to the first token by turn (a multi-turn item re-sends its conversation: later turns can reuse it)
+        "prefill_s_by_turn": _by_turn(runs),
         "acceptance_by_position": [a / d if d else None for a, d in zip(a_at, d_at, strict=True)],
         "mean_draft_length": _div(drafted, rounds),
+        # rounds by tokens drafted (DRAFT_BUCKETS) and the longest draft: how far drafts follow the matches
+        "draft_lengths": draft_histogram([d for t in turns for d in t.rounds.draft_lengths]),
         "draft_cost": draft_cost,
         # shared trunk: the part of a drafted token's cost beyond the trunk's (exit block + draft head),
         # the whole draft cost less the trunk's timed share of a target token
@@ -102,6 +106,66 @@ def figures(res: Results, method: str, runs: list[Run], plain: dict[tuple[str, s
         "sources": {src: {"rounds": r, "drafted": d, "accepted": a, "acceptance_rate": _div(a, d)}
                     for src, (r, d, a) in sorted(total.by_source.items())},
     }
+
+
+def _by_turn(runs: list[Run]) -> list[float | None]:
+    """Mean seconds to the first token of each turn (turn 1, 2, ..) over the runs; [] for single-turn items
+    and for methods timed end to end only (a server over HTTP without streaming)."""
+    n = max((len(r.turns) for r in runs), default=0)
+    if n < 2:
+        return []
+    out: list[float | None] = []
+    for i in range(n):
+        ts = [r.turns[i].t_prefill for r in runs if len(r.turns) > i and r.turns[i].t_prefill > 0.0]
+        out.append(sum(ts) / len(ts) if ts else None)
+    return out
+
+
+def turns_markdown(summary: dict[str, dict[str, dict[str, Any]]], categories: list[str]) -> str:
+    """Per multi-turn kind and method: seconds to the first token of each turn."""
+    lines: list[str] = []
+    for c in categories:
+        rows = [(m, by_cat[c]["prefill_s_by_turn"]) for m, by_cat in summary.items()
+                if c in by_cat and any(x is not None for x in by_cat[c].get("prefill_s_by_turn") or [])]
+        if not rows:
+            continue
+        n = max(len(v) for _, v in rows)
+        if not lines:
+            lines = ["**seconds to the first token, by turn** (multi-turn kinds)", ""]
+        lines += [f"| {c}: method | " + " | ".join(f"turn {i + 1}" for i in range(n)) + " |", "|---" + "|---:" * n + "|"]
+        lines += [f"| {m} | " + " | ".join(_f(x, ".2f") for x in v) + " |" for m, v in rows]
+        lines.append("")
+    return "\n".join(lines) + "\n" if lines else ""
+
+
+DRAFT_BUCKETS = ((0, 0), (1, 3), (4, 8), (9, 16), (17, 32), (33, 1 << 30))
+
+
+def _bucket_name(lo: int, hi: int) -> str:
+    return str(lo) if lo == hi else f"{lo}+" if hi >= 1 << 30 else f"{lo}-{hi}"
+
+
+def draft_histogram(lengths: list[int]) -> dict[str, Any]:
+    """Rounds by tokens drafted, in DRAFT_BUCKETS ("0", "1-3", .., "33+"), and the longest draft."""
+    counts = {_bucket_name(lo, hi): sum(lo <= d <= hi for d in lengths) for lo, hi in DRAFT_BUCKETS}
+    return {"rounds": counts, "longest": max(lengths, default=0)}
+
+
+def draft_lengths_markdown(summary: dict[str, dict[str, dict[str, Any]]], categories: list[str]) -> str:
+    """Per method and kind: the share of rounds that drafted 0, 1-3, .. tokens, and the longest draft."""
+    names = [_bucket_name(lo, hi) for lo, hi in DRAFT_BUCKETS]
+    lines: list[str] = []
+    for method, by_cat in summary.items():
+        rows = [(c, by_cat[c]["draft_lengths"]) for c in categories if c in by_cat and by_cat[c].get("draft_lengths")]
+        if not any(h["longest"] for _, h in rows):
+            continue
+        if not lines:
+            lines = ["**rounds by tokens drafted** (share of the rounds; longest draft)", "",
+                     "| method | kind | " + " | ".join(names) + " | longest |", "|---|---" + "|---:" * (len(names) + 1) + "|"]
+        for c, h in rows:
+            n = sum(h["rounds"].values()) or 1
+            lines.append(f"| {method} | {c} | " + " | ".join(f"{h['rounds'][b] / n:.0%}" for b in names) + f" | {h['longest']} |")
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 def projected_speedup(stats: Stats, draft_share: dict[str, float]) -> float | None:
@@ -244,6 +308,9 @@ def markdown(res: Results, summary: dict[str, dict[str, dict[str, Any]]]) -> str
                          f"{_f(f['prefill_s'], '.2f')} | {_identical(f)} | {_f(f['memory_overhead'] / 1e6, '.0f')} | {f['n_prompts']} | "
                          f"{_sources(f)} | {_f(f.get('projected_memory_bound_speedup'), '.2f')} |")
         lines.append("")
+    for extra in (draft_lengths_markdown(summary, cats), turns_markdown(summary, cats)):
+        if extra:
+            lines += [extra]
     for name, info in res.methods.items():
         growth = "-" if info.rss_growth_bytes is None else f"{info.rss_growth_bytes / 1e6:.0f} MB"
         lines.append(f"- `{name}`: drafter {info.drafter}, controller {info.controller}, model {info.model_bytes / 1e6:.0f} MB, "

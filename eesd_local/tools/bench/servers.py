@@ -133,6 +133,40 @@ def _post(url: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S) ->
         raise PeerFailed(f"no answer: {getattr(exc, 'reason', exc)}") from None
 
 
+def _post_stream(url: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S) -> tuple[str, float, int, int | None]:
+    """An OpenAI-style streamed completion: (text, seconds to the first chunk that carries text, chunks that
+    carried text, completion tokens from the final usage chunk or None where the server sends none)."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    parts: list[str] = []
+    first = 0.0
+    usage = None
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            for raw in resp:
+                line = raw.decode("utf-8", "replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if obj.get("usage"):
+                    usage = int(obj["usage"].get("completion_tokens") or 0) or None
+                for ch in obj.get("choices") or []:
+                    piece = ch.get("text") or ""
+                    if piece:
+                        if not parts:
+                            first = time.perf_counter() - t0
+                        parts.append(piece)
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode("utf-8", "replace")[:200]
+        raise PeerFailed(f"answered HTTP {exc.code}: {detail}") from None
+    except (urllib.error.URLError, OSError, TimeoutError, json.JSONDecodeError) as exc:
+        raise PeerFailed(f"no answer: {getattr(exc, 'reason', exc)}") from None
+    return "".join(parts), first, len(parts), usage
+
+
 class ServerProcess:
     """A server on 127.0.0.1: started, waited for (``/health``), stopped."""
 
@@ -175,6 +209,15 @@ class ServerProcess:
             raise PeerFailed(f"{self.what} exited with code {self.proc.returncode}: {self.last_line()}")
         try:
             return _post(self.url + path, body)
+        except PeerFailed as exc:
+            dead = f" (it exited with code {self.proc.returncode}: {self.last_line()})" if self.proc.poll() is not None else ""
+            raise PeerFailed(f"{self.what} {exc}{dead}") from None
+
+    def post_stream(self, path: str, body: dict[str, Any]) -> tuple[str, float, int, int | None]:
+        if self.proc.poll() is not None:
+            raise PeerFailed(f"{self.what} exited with code {self.proc.returncode}: {self.last_line()}")
+        try:
+            return _post_stream(self.url + path, body)
         except PeerFailed as exc:
             dead = f" (it exited with code {self.proc.returncode}: {self.last_line()})" if self.proc.poll() is not None else ""
             raise PeerFailed(f"{self.what} {exc}{dead}") from None
@@ -312,8 +355,9 @@ class HttpPeer:
         self.model_bytes = model_path.stat().st_size
 
     def generate(self, prompt: list[int], s: Sampling, *, prediction: str | None = None) -> Turn:
+        # streamed, as an editor or a chat client asks: the first chunk with text times the first token
         body: dict[str, Any] = {"prompt": prompt, "max_tokens": s.max_tokens, "temperature": s.temperature,
-                                "top_p": s.top_p, "stream": False}
+                                "top_p": s.top_p, "stream": True, "stream_options": {"include_usage": True}}
         if prediction is not None and self.spec.http_server == "eesd":  # llama-server has no such field
             body["prediction"] = {"type": "content", "content": prediction}
         if s.top_k:
@@ -321,12 +365,11 @@ class HttpPeer:
         if s.seed is not None:
             body["seed"] = s.seed
         t0 = time.perf_counter()
-        out = self.server.post("/v1/completions", body)
+        text, first, chunks, usage = self.server.post_stream("/v1/completions", body)
         wall = time.perf_counter() - t0
-        text = out["choices"][0].get("text", "")
-        n = int((out.get("usage") or {}).get("completion_tokens") or 0)
+        n = usage if usage is not None else chunks  # llama-server streams one token a chunk
         # end to end: every token over the whole request (prompt included), as a client waits for it
-        return Turn([], text, 0.0, wall * (n - 1) / n if n > 1 else 0.0, count=n)
+        return Turn([], text, first, wall * (n - 1) / n if n > 1 else 0.0, count=n)
 
     def close(self) -> None:
         self.server.stop()
