@@ -22,7 +22,7 @@ import pytest
 
 import eesd_chat.app as chat_app
 from eesd_chat.app import ChatApp, ChatOptions, main, run_app, swap_controller, swap_drafter
-from eesd_chat.widgets import SOURCE_STYLE, AnswerView, SpeculationPanel
+from eesd_chat.widgets import SOURCE_STYLE, AnswerView, SpeculationPanel, position_rows
 from eesd_local.api import load
 from eesd_local.speculative.events import TokenEvent
 from eesd_local.tools import heads
@@ -426,3 +426,13 @@ def test_snapshot_finished_answer_coloured(snap_compare):
         await pilot.pause()
 
     assert snap_compare(scripted_app()[0], terminal_size=SIZE, run_before=run_before)
+
+
+def test_acceptance_by_position_pools_long_drafts_into_ranges():
+    """Positions 1 to 8 one by one, then 9-16, 17-32, 33-64 pooled (a 64-token draft fits the panel)."""
+    drafted = [10] * 8 + [4] * 8 + [2] * 16 + [1] * 32
+    accepted = [9] * 8 + [3] * 8 + [1] * 16 + [0] * 32
+    rows = position_rows(drafted, accepted)
+    assert [r[0] for r in rows] == ["1", "2", "3", "4", "5", "6", "7", "8", "9-16", "17-32", "33-64"]
+    assert rows[8] == ("9-16", 24, 32) and rows[-1] == ("33-64", 0, 32)
+    assert position_rows([3, 0], [2, 0]) == [("1", 2, 3)]  # a position never drafted is left out

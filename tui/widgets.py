@@ -194,12 +194,25 @@ class SpeculationPanel(Static):
         pos = session.acceptance_by_position
         if not pos:
             out.append(Text("nothing drafted yet", "dim"))
-        for i, frac in enumerate(pos[:draft_max]):
-            n = session.drafted_at[i]
-            out.append(Text(f"{i + 1:>2} ").append(bar(frac)).append(f" {100 * frac:3.0f}% ").append(f"{session.accepted_at[i]}/{n}", "dim"))
+        for label, acc, n in position_rows(session.drafted_at[:draft_max], session.accepted_at[:draft_max]):
+            frac = acc / n if n else 0.0
+            out.append(Text(f"{label:>5} ").append(bar(frac)).append(f" {100 * frac:3.0f}% ").append(f"{acc}/{n}", "dim"))
         out.append(Text(""))
         out.append(legend(colouring))
         return out
+
+
+def position_rows(drafted_at: list[int], accepted_at: list[int]) -> list[tuple[str, int, int]]:
+    """(label, accepted, drafted) per draft position: 1 to 8 one by one, then 9-16, 17-32, 33-64, ..
+    pooled, so that 64-token drafts fit the panel; positions never drafted are left out."""
+    rows, lo = [], 0
+    while lo < len(drafted_at):
+        hi = lo + 1 if lo < 8 else 2 * lo  # [lo, hi): 8 -> 9-16, 16 -> 17-32, ..
+        n, a = sum(drafted_at[lo:hi]), sum(accepted_at[lo:hi])
+        if n:
+            rows.append((str(lo + 1) if hi == lo + 1 else f"{lo + 1}-{min(hi, len(drafted_at))}", a, n))
+        lo = hi
+    return rows
 
 
 def _round_speed(stats: Stats) -> float:
