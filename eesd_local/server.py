@@ -274,6 +274,10 @@ class Metrics:
                                     ["drafter"], registry=r)
         self.waiting = Gauge("eesd_queue_waiting", "requests waiting for the engine", registry=r)
         self.limit = Gauge("eesd_queue_limit", "requests that may wait (--queue)", registry=r)
+        self.cache_bytes = Gauge("eesd_prompt_cache_bytes", "bytes of idle prompts' KV states kept in RAM (--cache-ram)",
+                                 registry=r)
+        self.cache_limit = Gauge("eesd_prompt_cache_limit_bytes", "the bound on them (--cache-ram)", registry=r)
+        self.cache_states = Gauge("eesd_prompt_cache_states", "idle prompts' KV states kept in RAM", registry=r)
         self._lock = threading.Lock()
         self._sums: dict[str, list[float]] = {}  # drafter -> [rounds, emitted, seconds, tokens] for the gauges
 
@@ -299,8 +303,12 @@ class Metrics:
             for i, v in enumerate((spec["rounds"], emitted, seconds, usage["completion_tokens"])):
                 sums[i] += v
 
-    def render(self, waiting: int, limit: int) -> bytes:
+    def render(self, waiting: int, limit: int, cache: Any = None) -> bytes:
+        """The registry as Prometheus text; ``cache``: the engine's prompt cache (None: off)."""
         with self._lock:
+            self.cache_bytes.set(cache.bytes if cache is not None else 0)
+            self.cache_limit.set(cache.limit if cache is not None else 0)
+            self.cache_states.set(len(cache) if cache is not None else 0)
             for d, (rounds, emitted, seconds, tokens) in self._sums.items():
                 self.tau.labels(d).set(emitted / rounds if rounds else 0.0)
                 self.time_per_token.labels(d).set(seconds / tokens if tokens else 0.0)
@@ -535,7 +543,7 @@ def create_app(engine: Engine, *, model_id: str, aliases: tuple[str, ...] = (), 
     @app.get("/metrics")
     async def metrics_text() -> Response:
         worker = state["worker"]
-        return Response(metrics.render(worker.waiting, worker.queue_max), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.render(worker.waiting, worker.queue_max, engine.prompt_cache), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

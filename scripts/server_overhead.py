@@ -12,6 +12,7 @@ counted. Outside the decode loop is the prefill plus, for the server, HTTP, JSON
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -37,6 +38,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=10)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--n-threads", type=int, default=None)
+    ap.add_argument("--stream", action="store_true", help="the server streams its answer (server-sent events), as editors ask")
     args = ap.parse_args()
 
     with socket.socket() as s:
@@ -63,12 +65,23 @@ def main() -> int:
                 return fin.text, fin.stats.n_generated, fin.stats.t_decode
 
             def served(prompt: str) -> tuple[str, int, float]:
-                r = http.post(url + "/v1/completions", timeout=600,
-                              json={"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0})
-                r.raise_for_status()
-                out = r.json()
-                n, spec = out["usage"]["completion_tokens"], out["speculation"]
-                return out["choices"][0]["text"], n, n / spec["tokens_per_s"]
+                body = {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0}
+                if not args.stream:
+                    r = http.post(url + "/v1/completions", timeout=600, json=body)
+                    r.raise_for_status()
+                    out = r.json()
+                    n, spec = out["usage"]["completion_tokens"], out["speculation"]
+                    return out["choices"][0]["text"], n, n / spec["tokens_per_s"]
+                body.update(stream=True, stream_options={"include_usage": True})
+                parts, last = [], {}
+                with http.stream("POST", url + "/v1/completions", timeout=600, json=body) as r:
+                    r.raise_for_status()
+                    for line in r.iter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            last = json.loads(line[6:])
+                            parts.extend(c.get("text", "") for c in last.get("choices") or [])
+                n, spec = last["usage"]["completion_tokens"], last["speculation"]
+                return "".join(parts), n, n / spec["tokens_per_s"]
 
             direct(PROMPTS[-1])
             served(PROMPTS[-1])

@@ -130,3 +130,22 @@ def test_conversations_that_come_back_are_restored_from_ram(tiny):
     with eesd_local.load(tiny, drafter="none", n_ctx=1024, cache_ram=0) as eng:
         assert eng.prompt_cache is None
         assert [_answer(eng, convs[c][t], 8)[0] for c, t in order] == [fresh[k] for k in order]
+
+
+def test_a_prefill_cancelled_between_chunks_keeps_only_whole_chunks_and_changes_no_answer(tiny):
+    """cancel() during a long prompt's prefill stops it at the next chunk (a client that hung up does not hold
+    the engine for the rest of its prompt). What the cache keeps is the chunks decoded, recorded as such, and
+    the next request with that prompt reuses them and answers as a fresh process does."""
+    prompt = [int(t) for t in (list(range(100, 420, 3)) + list(range(90, 300, 7))) * 6][:1300]
+    with eesd_local.load(tiny, drafter="none", n_ctx=2048) as eng:
+        want = _answer(eng, prompt, 8)[0]
+        assert eng.ctx.n_batch < len(prompt), "one chunk: nothing to cancel between"
+        eng.ctx.clear()
+        gen = eng.generate(prompt, max_tokens=8)
+        eng.cancel()  # before the first event: the prefill stops after its first chunk
+        evs = list(gen)
+        assert evs[-1].reason == "cancelled" and not any(isinstance(e, TokenEvent) for e in evs)
+        kept = eng.ctx.n_past
+        assert kept == eng.ctx.n_batch and eng.ctx.tokens == prompt[:kept]
+        got, cached = _answer(eng, prompt, 8)
+        assert got == want and cached == kept

@@ -340,3 +340,56 @@ def test_metrics_parse_as_prometheus_text(server):
     assert m[("eesd_accepted_tokens_total", lookup)] <= m[("eesd_drafted_tokens_total", lookup)]
     assert m[("eesd_queue_limit", ())] == 8
     assert ("eesd_requests_total", (("code", "200"), ("endpoint", "/v1/completions"))) in m
+
+
+def test_the_prompt_cache_holds_its_bound_under_concurrent_conversations(qwen05_path, tmp_path_factory):
+    """Six conversations at once, each coming back for a second turn, on a server with 4 MB of prompt cache
+    (a state of one of these conversations is about 1.5 MB): states are kept, restored and evicted, the
+    bytes (on /metrics) never pass the bound while the requests run, and a turn restored from RAM answers
+    as a fresh request does."""
+    topic = ("Here is a note about a small Python service that reads orders from a queue, checks each "
+             "order's items against the stock table, and writes the accepted ones to the ledger. ")
+    seen: list[float] = []
+    with _serve(tmp_path_factory, "--cache-ram", "4") as s:
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.is_set():
+                m = s.metrics()
+                seen.append(m[("eesd_prompt_cache_bytes", ())])
+                time.sleep(0.2)
+
+        def conversation(i: int) -> tuple[list[dict], str, int]:
+            msgs = [{"role": "user", "content": f"Conversation {i}. {topic * 2}Summarise it in one line."}]
+            with httpx.Client() as c:
+                r = c.post(s.url + "/v1/chat/completions", timeout=300,
+                           json={"messages": msgs, "max_tokens": 6, "temperature": 0}).json()
+                msgs += [r["choices"][0]["message"], {"role": "user", "content": "Shorter."}]
+                r = c.post(s.url + "/v1/chat/completions", timeout=300,
+                           json={"messages": msgs, "max_tokens": 6, "temperature": 0}).json()
+            return msgs, r["choices"][0]["message"]["content"], r["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        results: list[tuple[list[dict], str, int]] = [None] * 6  # type: ignore[list-item]
+
+        def run(i: int) -> None:
+            results[i] = conversation(i)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        done.set()
+        watcher.join()
+        m = s.metrics()
+    limit = 4 << 20
+    assert m[("eesd_prompt_cache_limit_bytes", ())] == limit
+    assert seen and max(seen + [m[("eesd_prompt_cache_bytes", ())]]) <= limit
+    assert m[("eesd_prompt_cache_states", ())] >= 1, "nothing was kept: the bound was not exercised"
+    assert sum(cached for _, _, cached in results) > 0
+    with eesd_local.load(QWEN05, drafter="none") as fresh:  # every second turn as a fresh process answers it
+        for msgs, text, _ in results:
+            want = fresh.create_chat_completion(msgs, max_tokens=6, temperature=0)["choices"][0]["message"]["content"]
+            assert want == text

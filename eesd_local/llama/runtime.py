@@ -19,7 +19,7 @@ import functools
 import os
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -434,11 +434,14 @@ class Context:
             raise EesdError("llama.cpp could not restore a saved KV state")
         self.tokens[:] = list(tokens)
 
-    def decode(self, tokens: Sequence[int], *, n_logits: int = 1, embd: np.ndarray | None = None) -> int:
+    def decode(self, tokens: Sequence[int], *, n_logits: int = 1, embd: np.ndarray | None = None,
+               stop: Callable[[], bool] | None = None) -> int:
         """Append ``tokens`` to the cache with logits for the last ``n_logits`` of them.
 
         Long inputs go in n_batch chunks; the logit rows must all fall into the last
         chunk. Returns the number of logit rows available through :meth:`logits`.
+        ``stop`` is asked between chunks: when it says so, the decode ends there, the cache holding
+        (and :attr:`tokens` recording) the chunks decoded, and no logit row is available (returns -1).
         A context made with ``embd`` is fed ``embd`` (one float32 row per token) instead of
         the token ids, which then only say what its cache holds.
         """
@@ -463,6 +466,9 @@ class Context:
         n_logits = max(0, min(n_logits, n))
         start = 0
         while start < n:
+            if start and stop is not None and stop():
+                self._n_out = 0
+                return -1
             # the last chunk is cut so that it holds every token that wants logits
             size = min(self.n_batch, n - start)
             if start + size < n and n - (start + size) < n_logits:

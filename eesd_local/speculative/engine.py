@@ -329,6 +329,8 @@ class Engine:
                 stats.record_round(k, m, len(pending), r.source)
                 yield RoundEvent(round_no, k, m, len(pending), r.t_draft, r.t_verify, rounds.belief(), r.source,
                                  r.rows or k + 1)
+        except _PrefillCancelled:
+            reason = "cancelled"
         finally:
             self._live = None
             if rounds is not None:
@@ -364,7 +366,10 @@ class Engine:
                 ctx.restore_state(found[1], found[0])
                 keep = min(found[2], len(prompt) - 1)
         ctx.trim(keep)
-        ctx.decode(prompt[keep:])
+        if ctx.decode(prompt[keep:], stop=lambda: self._cancel) < 0:
+            # cancelled between two chunks: the cache keeps the chunks decoded, which a later prompt reuses as
+            # any cached prefix (with the batch-invariant kernels, as a fresh prefill computes them)
+            raise _PrefillCancelled
         return len(prompt) - keep
 
     def _pick(self, logits: np.ndarray, params: SamplingParams, rng: TokenRNG) -> int:
@@ -534,6 +539,10 @@ def check_config(config: EngineConfig) -> None:
         raise ParamError("rpc", f"rpc must be a list of HOST:PORT strings, got {show(config.rpc)}")
     if config.rpc:
         parse_endpoints(list(config.rpc))
+
+
+class _PrefillCancelled(Exception):
+    """cancel() came while the prompt was being decoded (Engine._prefill)."""
 
 
 def _make_controller(spec: Any, draft_max: int, seed: int, sources: int = 1, model_max: int = MODEL_DRAFT_MAX) -> Controller:
