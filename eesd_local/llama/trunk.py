@@ -265,12 +265,12 @@ class TrunkContext(Context):
         self.h = np.zeros((0, model.n_embd), np.float32)  # h_N of positions [h_base, n_past)
         self.h_base = 0
 
-    def decode(self, tokens, *, n_logits: int = 1, embd: np.ndarray | None = None) -> int:
+    def decode(self, tokens, *, n_logits: int = 1, embd: np.ndarray | None = None, stop=None) -> int:
         """Decode target token ids (fed as the base's embedding rows); logits over V'."""
         pos0 = self.n_past
         self.capture.reset()
         try:
-            return super().decode(tokens, n_logits=n_logits, embd=self.table.rows(tokens) if len(tokens) else None)
+            return super().decode(tokens, n_logits=n_logits, embd=self.table.rows(tokens) if len(tokens) else None, stop=stop)
         finally:
             rows = self.capture.take()
             if self.capture.n_bad:
@@ -359,7 +359,8 @@ class SplitTarget:
         self.tail.clear()
         self.trunk.clear()
 
-    def decode(self, tokens, *, n_logits: int = 1) -> int:
+    def decode(self, tokens, *, n_logits: int = 1, stop=None) -> int:
+        """The trunk's rows, then the tail's; ``stop`` is not asked (a split target decodes a prompt whole)."""
         n = len(tokens)
         if n == 0:
             return 0
