@@ -153,6 +153,9 @@ def replay_one(ctl, drafter, prompt: list[int], answer: list[int], bms: dict[int
 def replay(args: argparse.Namespace) -> None:
     data = json.load(open(args.traces))
     measured = {int(k): v for k, v in data["batch_ms"].items()}
+    if args.costs:  # a kept cost profile (~/.cache/eesd-local/costs/*.json): B(b) as measured on a quiet machine
+        kept = json.load(open(args.costs))
+        measured = {int(k): kept["t1_ms"] * v for k, v in kept["bk"].items()}
     prof = costs.CostProfile(measured[1], {k: v / measured[1] for k, v in measured.items()}, {})
     bms = {b: measured[1] * prof.b(b) for b in range(1, args.draft_max + 2)}  # between measured sizes: the line
     traces = data["traces"]
@@ -264,6 +267,7 @@ def main() -> None:
     r.add_argument("--category", default="")
     r.add_argument("--shuffle", action="store_true")
     r.add_argument("--ngram-max", type=int, default=4)
+    r.add_argument("--costs", help="price rounds by this kept cost profile's B(b) instead of the traces' own")
     b = sub.add_parser("best")
     b.add_argument("traces")
     args = ap.parse_args()
