@@ -13,6 +13,7 @@ import threading
 import pytest
 
 import eesd_local
+from eesd_local.base.defaults import DRAFT_MAX
 from eesd_local.base.errors import EesdError
 from eesd_local.speculative.drafters.base import SRC_ANY, DrafterBase, Proposal
 from eesd_local.speculative.events import FinishEvent, TokenEvent
@@ -209,6 +210,16 @@ def test_bad_generate_arguments(bad, match):
 def test_draft_max_is_checked(draft_max):
     with pytest.raises(EesdError, match="draft"):
         _open("lookup", draft_max=draft_max)
+
+
+def test_the_default_draft_length_fits_a_small_context():
+    """The default draft_max (64) in a context of 32: drafts as long as its batch holds; a draft_max asked for
+    explicitly must fit."""
+    with eesd_local.load(QWEN05, drafter="lookup", n_ctx=32) as eng:
+        assert eng.config.draft_max == eng.ctx.n_batch - 1 < DRAFT_MAX
+        assert eng.run("def f(a, b):", max_tokens=8).stats.n_generated > 0
+    with pytest.raises(EesdError, match="does not fit"):
+        eesd_local.load(QWEN05, drafter="lookup", n_ctx=32, draft_max=40)
 
 
 def test_a_full_context_says_so():

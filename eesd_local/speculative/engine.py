@@ -152,6 +152,10 @@ class Engine:
             else:
                 self.ctx = Context(self.model, params)
             lap("context")
+            if config.draft_max == DRAFT_MAX and DRAFT_MAX + 1 > self.ctx.n_batch:
+                # the default, in a context smaller than it: drafts as long as the batch holds (a value asked for
+                # explicitly must fit, below)
+                config = self.config = dataclasses.replace(config, draft_max=max(1, self.ctx.n_batch - 1))
             if config.draft_max + 1 > self.ctx.n_batch:  # a round decodes [last, d1..dk] in one batch
                 raise EesdError(f"a draft of up to {config.draft_max} tokens does not fit the target's batch of "
                                 f"{self.ctx.n_batch} tokens", hint=f"use --draft-max {self.ctx.n_batch - 1} or less")
