@@ -28,8 +28,9 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import llama_cpp
 
@@ -121,6 +122,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+_T = TypeVar("_T")
+
 def _post(url: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     try:
@@ -205,19 +208,17 @@ class ServerProcess:
         return lines[-1][:200] if lines else "(it printed nothing)"
 
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        if self.proc.poll() is not None:
-            raise PeerFailed(f"{self.what} exited with code {self.proc.returncode}: {self.last_line()}")
-        try:
-            return _post(self.url + path, body)
-        except PeerFailed as exc:
-            dead = f" (it exited with code {self.proc.returncode}: {self.last_line()})" if self.proc.poll() is not None else ""
-            raise PeerFailed(f"{self.what} {exc}{dead}") from None
+        return self._call(_post, path, body)
 
     def post_stream(self, path: str, body: dict[str, Any]) -> tuple[str, float, int, int | None]:
+        return self._call(_post_stream, path, body)
+
+    def _call(self, send: Callable[[str, dict[str, Any]], _T], path: str, body: dict[str, Any]) -> _T:
+        """``send`` the request to this server; a failure names the server (and its exit, if it died)."""
         if self.proc.poll() is not None:
             raise PeerFailed(f"{self.what} exited with code {self.proc.returncode}: {self.last_line()}")
         try:
-            return _post_stream(self.url + path, body)
+            return send(self.url + path, body)
         except PeerFailed as exc:
             dead = f" (it exited with code {self.proc.returncode}: {self.last_line()})" if self.proc.poll() is not None else ""
             raise PeerFailed(f"{self.what} {exc}{dead}") from None
