@@ -245,3 +245,35 @@ def test_the_draft_length_distribution_counts_rounds_by_tokens_drafted():
                                 ["code"])
     assert "| auto | code | 25% | 12% | 12% | 12% | 12% | 25% | 64 |" in md
     assert "| none |" not in md  # a method that never drafted has no row
+
+
+def test_plain_baselines_are_not_sent_the_prediction():
+    """A predict item's plain rows (in process and `eesd serve --drafter none` over HTTP) decode without the
+    prediction, so every speedup over them is over plain decoding; the other rows get it."""
+    specs = {s.name: s for s in parse_methods("auto,serve:eesd,serve:eesd:none,serve:eesd:auto,serve:llama-server,"
+                                              "serve:llama-server:ngram-mod,llama-server")}
+    assert [n for n, s in specs.items() if s.plain] == ["none", "serve:eesd:none", "serve:llama-server", "llama-server"]
+
+    class Engine:
+        config = type("C", (), {"draft_max": 8})()
+
+        def apply_chat_template(self, messages):
+            return "".join(m["content"] for m in messages)
+
+        def tokenize(self, text):
+            return list(range(len(text) % 7 + 3))
+
+    class Method:
+        def __init__(self, spec):
+            self.spec, self.sent = spec, []
+
+        def generate(self, prompt, s, *, prediction=None):
+            self.sent.append(prediction)
+            return type("T", (), {"text": "```python\nx = 2\n```"})()
+
+    item = PromptItem("p", "predict", turns=("Edit:\n\n```python\nx = 1\n```\n", "Again."), predict=True)
+    ref = type("R", (), {"engine": Engine()})()
+    for name, spec in specs.items():
+        m = Method(spec)
+        runner.run_item(m, item, ref, Sampling(max_tokens=4), 4096, 0)
+        assert m.sent == ([None, None] if spec.plain else ["```python\nx = 1\n```", "```python\nx = 2\n```"]), name

@@ -71,6 +71,14 @@ class MethodSpec:
         return {"server": SERVER, "http": "serve:" + SERVER}.get(self.drafter, "none")
 
     @property
+    def plain(self) -> bool:
+        """Plain decoding, in process or over HTTP (``eesd serve --drafter none``, plain llama-server): a
+        baseline, so a prediction is not sent to it (``eesd serve`` drafts from one whatever its drafter)."""
+        if self.drafter in ("server", "http"):
+            return self.server_spec == "none" if self.http_server == "eesd" else not self.server_spec
+        return self.drafter == "none"
+
+    @property
     def needs_head(self) -> bool:
         return self.drafter in ("eesd", "hierarchical")
 

@@ -239,9 +239,11 @@ def run_item(method: Method, item: PromptItem, ref: EngineMethod, s: Sampling, n
         if need > n_ctx:
             raise EesdError(f"prompt {item.id!r} (turn {turn_no + 1}) has {len(prompt)} tokens: with --max-tokens "
                             f"{s.max_tokens} it does not fit into the context of {n_ctx}", hint="pass a larger --n-ctx")
-        # the plain baseline decodes without the prediction: the speedup is over plain decoding
-        predicted = prediction_for(item, turn_no, history[-1][1] if history and history[-1][0] == "assistant" else "")
-        turn = method.generate(prompt, s, prediction=predicted if method.spec.drafter != "none" else None)
+        # plain baselines (in process and over HTTP) decode without the prediction: the speedup is over plain decoding
+        # (a later turn predicts the method's own previous answer: the turn before this user turn)
+        previous = next((c for r, c in reversed(history) if r == "assistant"), "")
+        predicted = prediction_for(item, turn_no, previous)
+        turn = method.generate(prompt, s, prediction=None if method.spec.plain else predicted)
         run.prompts.append(prompt)
         run.turns.append(turn)
         if item.turns:
