@@ -19,7 +19,7 @@ import signal
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +30,7 @@ import numpy as np
 from eesd_local.base import cachefile
 from eesd_local.base.atomic import atomic_path, in_cache
 from eesd_local.base.errors import EesdError
+from eesd_local.base.interrupts import terminate_as_interrupt
 from eesd_local.base.params import check_int
 from eesd_local.gguf.check import check_gguf
 from eesd_local.gguf.reader import read_header
@@ -139,7 +140,7 @@ def requantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], kind: s
         raise EesdError(f"the output {dst_path} is the source file", hint="write the variant to another path")
     cachefile.forget(dst_path)
     threads = n_threads or os.cpu_count() or 1
-    with atomic_path(dst_path, force=force) as tmp, _terminate_as_interrupt():
+    with atomic_path(dst_path, force=force) as tmp, terminate_as_interrupt():
         cmd = [sys.executable, "-m", "eesd_local.tools.weights", str(src_path), str(tmp), kind, str(threads), str(os.getpid())]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
@@ -155,23 +156,6 @@ def requantize(src: str | os.PathLike[str], dst: str | os.PathLike[str], kind: s
     if in_cache(dst_path.parent):  # a variant in the cache is read as the model itself: it gets a content check
         cachefile.record(dst_path)
     return dst_path
-
-
-@contextlib.contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt meanwhile, so a plain ``kill`` cleans up like Ctrl-C."""
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    try:
-        old = signal.signal(signal.SIGTERM, interrupt)
-    except ValueError:  # not the main thread: leave signals alone
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
 
 
 def _die_with_parent(parent: int) -> None:
