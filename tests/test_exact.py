@@ -58,13 +58,11 @@ def plain() -> dict[str, list[int]]:
         return {p["id"]: _answer(eng, _tokens(eng, p))[0] for p in PROMPTS}
 
 
-REST = [p for p in PROMPTS if p not in SUB or p["kind"] == "long"]  # the other two thirds, and every long input
-
 CONFIGS = {  # name: (engine options, prompts)
-    # the default drafter and controller on every prompt (then asked again: below); lookup under the default
-    # controller on the prompts the fixed 64-token drafts do not take
+    # the default drafter and controller on every prompt (then asked again: below); lookup alone under the
+    # default controller (on a CPU where the exit head cannot pay, auto's own source: a third of the prompts)
     "auto": (dict(drafter="auto"), PROMPTS),
-    "lookup": (dict(drafter="lookup"), REST),
+    "lookup": (dict(drafter="lookup"), SUB),
     # the exit head and a draft model under the +2/-1 heuristic: draft lengths (verify batches) of every size
     # from 1 row up, within one configuration each
     "eesd-split": (dict(drafter="eesd", controller="heuristic"), SUB),
@@ -93,7 +91,7 @@ def test_greedy_output_is_byte_identical_to_plain_decoding(plain, name):
             accepted += fin.stats.n_accepted
         if name == "auto":  # prompts again: now the earlier answer drafts (lookup across requests), exactly
             recalled = 0
-            for p in SUB:
+            for p in SUB[::2]:
                 got, fin = _answer(eng, _tokens(eng, p))
                 assert got == plain[p["id"]], f"{name}, asked again: {p['id']} differs"
                 recalled += fin.stats.by_source.get("earlier-answers", [0, 0, 0])[2]
@@ -139,32 +137,34 @@ def test_a_reused_prefix_gives_a_fresh_prompts_answer(plain):
 _PLANTED = r"""
 import json, sys
 import eesd_local
-from eesd_local.speculative.events import FinishEvent, TokenEvent
-prompts = json.loads(sys.argv[1])
-out = {}
-for name, kw in (("none", dict(drafter="none")), ("spec", dict(drafter="draft-model", draft_model=sys.argv[2], controller="fixed:8"))):
-    with eesd_local.load(sys.argv[2], n_ctx=2048, **kw) as eng:
-        res = []
-        for p in prompts:
-            text = p["prompt"] if "prompt" in p else eng.apply_chat_template(p["messages"])
-            toks = [e.token for e in eng.generate(eng.tokenize(text), max_tokens=int(sys.argv[3])) if isinstance(e, TokenEvent)]
-            res.append(toks)
-        out[name] = {"exact": eng.exact, "note": eng.exact_note, "answers": res}
+from eesd_local.speculative.events import TokenEvent
+prompts, model, n = json.loads(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+def answer(eng, p):
+    text = p["prompt"] if "prompt" in p else eng.apply_chat_template(p["messages"])
+    return [e.token for e in eng.generate(eng.tokenize(text), max_tokens=n) if isinstance(e, TokenEvent)]
+with eesd_local.load(model, n_ctx=2048, drafter="none") as plain, \
+        eesd_local.load(model, n_ctx=2048, drafter="draft-model", draft_model=model, controller="fixed:8") as spec:
+    out = {"exact": [plain.exact, spec.exact], "note": plain.exact_note, "asked": 0, "differ": []}
+    for p in prompts:  # until the first answer that left plain decoding: one is enough to show it is caught
+        out["asked"] += 1
+        if answer(plain, p) != answer(spec, p):
+            out["differ"].append(p["id"])
+            break
 print(json.dumps(out))
 """
 
 
 def test_a_batch_dependent_kernel_is_caught(qwen05_path):
     """GGML_CPU_EXACT_ROWS=0 gives llama.cpp's own batch-dependent kernels back: the engine no longer
-    claims exactness, and the comparison this file makes finds the answers that left plain decoding."""
+    claims exactness, and the comparison this file makes finds an answer that left plain decoding (the
+    prompts are asked until one does)."""
     env = dict(os.environ, GGML_CPU_EXACT_ROWS="0")
     res = subprocess.run([sys.executable, "-c", _PLANTED, json.dumps(PROMPTS[::2]), str(qwen05_path), "40"], env=env,
                          capture_output=True, text=True, timeout=1200)
     assert res.returncode == 0, res.stderr[-2000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert not out["none"]["exact"] and "GGML_CPU_EXACT_ROWS" in out["none"]["note"]
-    differ = [p["id"] for p, a, b in zip(PROMPTS[::2], out["none"]["answers"], out["spec"]["answers"], strict=True) if a != b]
-    assert differ, "batch-dependent kernels and not one answer differs: the comparison cannot catch them"
+    assert out["exact"] == [False, False] and "GGML_CPU_EXACT_ROWS" in out["note"]
+    assert out["differ"], f"batch-dependent kernels and not one of {out['asked']} answers differs: the comparison cannot catch them"
 
 
 def test_the_build_is_batch_invariant_at_every_size():
