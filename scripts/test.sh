@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set-up command 2: lint, import contracts, the fast tier, the model tier, the wheel check.
 #   bash scripts/test.sh            everything (the model tier loads the real demo models)
-#   bash scripts/test.sh fast       lint, contracts and the fast tier only (under 3 minutes)
+#   bash scripts/test.sh fast       lint, contracts and the fast tier only (about 5 minutes on 2 cores)
 #   bash scripts/test.sh gpu-path   not part of the above: every layer offloaded to llama.cpp's Vulkan backend on
 #                                   lavapipe, in an environment of its own (scripts/gpu_path.sh; installs its apt packages)
 # Nothing is installed here: scripts/setup.sh installs (tmux and the arm64 cross-compiler, which

@@ -31,7 +31,7 @@ def _tokens(engine, prompt, **kw):
 def plain():
     with eesd_local.load(QWEN05, drafter="none", n_ctx=2048) as eng:
         prompts = [eng.tokenize(eng.apply_chat_template(p["messages"])) for p in PROMPTS]
-        outs = [_tokens(eng, p, max_tokens=MAX_TOKENS)[0] for p in prompts]
+        outs = {2: _tokens(eng, prompts[2], max_tokens=MAX_TOKENS)[0]}  # plain answers of the prompts a test compares
         yield eng, prompts, outs
 
 
