@@ -26,6 +26,19 @@ def test_measured_once_then_kept(fake):
     assert calls == [2, 2]
 
 
+def test_the_test_suite_keeps_its_profiles_apart_from_the_users(fake, isolated_home, monkeypatch, tmp_path):
+    """Profiles go to the cache's costs/ (a user's run), or to EESD_COSTS_DIR (the test suite's own,
+    set by conftest for the session): a profile timed while tests ran is never the user's."""
+    model, _ = fake
+    fp = costs.fingerprint(model.path, n_threads=2)
+    costs.profile(model, n_threads=2)
+    assert costs.profile_path(fp).parent == isolated_home / "costs" and costs.profile_path(fp).is_file()
+    apart = tmp_path / "session-costs"
+    monkeypatch.setenv("EESD_COSTS_DIR", str(apart))
+    costs.profile(model, n_threads=2)
+    assert costs.profile_path(fp).parent == apart and costs.profile_path(fp).is_file()
+
+
 def test_another_placement_or_model_is_never_used(fake):
     model, calls = fake
     costs.profile(model, n_threads=2)

@@ -133,9 +133,20 @@ def fingerprint(model_path: str | os.PathLike[str], *, n_threads: int, n_gpu_lay
     return fp
 
 
+def costs_dir() -> Path:
+    """Where profiles are kept: the cache's ``costs/``, or ``EESD_COSTS_DIR`` where set (the test suite sets
+    its own: batch costs timed while tests run beside other work must never become the user's profile)."""
+    override = os.environ.get("EESD_COSTS_DIR")
+    if override:
+        path = Path(override)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    return cache_dir("costs")
+
+
 def profile_path(fp: dict[str, Any]) -> Path:
     key = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir("costs") / f"{Path(fp['model']['name']).stem}-{key}.json"
+    return costs_dir() / f"{Path(fp['model']['name']).stem}-{key}.json"
 
 
 def _digest(d: dict[str, Any]) -> str:
