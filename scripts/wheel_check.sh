@@ -27,6 +27,7 @@ echo "installing it into a fresh venv"
 "$WORK/venv/bin/python" -c "import eesd_local" || { echo "wheel_check: the install failed" >&2; exit 1; }
 if "$WORK/venv/bin/python" -c "import torch" 2>/dev/null; then echo "wheel_check: torch was installed" >&2; exit 1; fi
 cd "$WORK"  # outside the repository: nothing of the checkout can be imported by accident
+export EESD_COSTS_DIR="$WORK/costs"  # this throwaway install's cost profiles stay out of the user's cache
 VENV="$WORK/venv/bin"
 "$VENV/eesd" --help >/dev/null
 "$VENV/eesd-chat" --help >/dev/null
