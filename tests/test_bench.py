@@ -13,9 +13,17 @@ from eesd_local.base.errors import EesdError
 from eesd_local.gguf.reader import bytes_read_per_token
 from eesd_local.speculative.events import Stats
 from eesd_local.tools.bench import runner
-from eesd_local.tools.bench.methods import EngineMethod, MethodSpec, Sampling, parse_methods
+from eesd_local.tools.bench.methods import EngineMethod, MethodSpec, Sampling, Turn, parse_methods
 from eesd_local.tools.bench.prompts import CHAT_KINDS, PromptItem, chat_kind, chat_set, code_set, load_prompts, rewrite_set
-from eesd_local.tools.bench.report import REQUIRED_KEYS, draft_histogram, draft_lengths_markdown, projected_speedup
+from eesd_local.tools.bench.report import (
+    REQUIRED_KEYS,
+    _by_turn,
+    _rate,
+    _vs,
+    draft_histogram,
+    draft_lengths_markdown,
+    projected_speedup,
+)
 from eesd_local.tools.heads.data import heldout_sharegpt_range, is_heldout_module, sharegpt_records
 
 from .conftest import QWEN05
@@ -277,3 +285,21 @@ def test_plain_baselines_are_not_sent_the_prediction():
         m = Method(spec)
         runner.run_item(m, item, ref, Sampling(max_tokens=4), 4096, 0)
         assert m.sent == ([None, None] if spec.plain else ["```python\nx = 1\n```", "```python\nx = 2\n```"]), name
+
+
+def test_a_prompt_run_several_times_counts_its_median_run():
+    """With --repeats, one run slowed by a burst of noise moves no prompt's figure: each prompt counts its
+    median run (the mean of the middle two for an even count), and speedups pair prompt with prompt."""
+    def run(method, item, rep, secs, n=101, ttft=(0.5,)):
+        turns = [Turn(list(range(n)), "", t, secs / len(ttft)) for t in ttft]
+        return runner.Run(method, item, "chat", rep, [[1]] * len(ttft), turns)
+
+    slow = [run("auto", "a", 0, 1.0), run("auto", "a", 1, 9.0), run("auto", "a", 2, 1.2)]
+    assert _rate(slow) == (100, pytest.approx(1.2))  # the median run, not 11.2 s over three
+    assert _rate(slow[:2]) == (100, pytest.approx(5.0))  # two runs: their mean, as the totals had it
+    both = slow + [run("auto", "b", r, s) for r, s in enumerate((2.0, 2.0, 2.0))]
+    assert _rate(both) == (200, pytest.approx(3.2))
+    plain = {(r.category, r.item, r.repeat): r for r in (run("none", i, k, 2.4) for i in "ab" for k in range(3))}
+    assert _vs(both, plain) == pytest.approx(4.8 / 3.2)
+    multi = [run("auto", "m", k, 1.0, ttft=(0.9, t)) for k, t in enumerate((0.2, 3.0, 0.3))]
+    assert _by_turn(multi) == [pytest.approx(0.9), pytest.approx(0.3)]

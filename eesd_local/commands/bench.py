@@ -65,7 +65,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=TOP_K)
     p.add_argument("--top-p", type=float, default=TOP_P)
     p.add_argument("--seed", type=int, default=BENCH_SEED, help="base seed for sampling (default %(default)s)")
-    p.add_argument("--repeats", type=int, default=1, help="passes over the prompts (default 1)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="passes over the prompts; a prompt counts its median pass (default 1; 3 for figures per kind)")
     p.add_argument("--warmup-tokens", type=int, default=16, help="tokens of one warm-up generation per method (default 16; 0: none)")
     p.add_argument("--draft-max", type=int, default=DRAFT_MAX, help="most tokens drafted per round (default %(default)s)")
     p.add_argument("--n-ctx", "--ctx", type=int, default=N_CTX, help="context size of every method (default 4096)")

@@ -1,7 +1,8 @@
 """From measured runs to the figures: per method and category, the JSON, the tables.
 
-Rates are totals over the runs (tokens after the first / seconds after the first
-token), not means of per-prompt rates; ``speedup`` is a method's rate over ``none``'s
+Rates are totals over the prompts (tokens after the first / seconds after the first
+token), not means of per-prompt rates; a prompt run several times (``--repeats``) counts
+its median run, so a burst of noise on a shared machine moves no figure by itself; ``speedup`` is a method's rate over ``none``'s
 on the same prompts of the same run. ``tau`` is tokens emitted per target
 verification after the first token; ``draft_cost`` is the drafter's seconds per drafted
 token relative to ``none``'s seconds per token. ``identical`` (greedy only) counts outputs
@@ -12,6 +13,7 @@ it is not, when each difference is a near tie of the target's two best logits.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict
 from typing import Any
 
@@ -24,10 +26,24 @@ ALL = "all"
 REQUIRED_KEYS = ("tokens_per_s", "speedup", "tau", "acceptance_rate", "lossless", "n_prompts", "memory_overhead")
 
 
-def _rate(runs: list[Run]) -> tuple[int, float]:
-    n = sum(max(0, t.n - 1) for r in runs for t in r.turns)
-    secs = sum(t.t_decode for r in runs for t in r.turns)
-    return n, secs
+def _run_rate(run: Run) -> tuple[int, float]:
+    return sum(max(0, t.n - 1) for t in run.turns), sum(t.t_decode for t in run.turns)
+
+
+def _rate(runs: list[Run]) -> tuple[float, float]:
+    """Tokens and seconds after the first token, summed over the prompts; a prompt run several times
+    (``--repeats``) counts its median run (by seconds a token; the mean of the middle two for an even
+    count), so one run that a burst of machine noise slowed does not move a prompt's figure."""
+    by_prompt: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    for r in runs:
+        by_prompt.setdefault((r.category, r.item), []).append(_run_rate(r))
+    n_sum, secs_sum = 0.0, 0.0
+    for rates in by_prompt.values():
+        rates.sort(key=lambda ns: ns[1] / ns[0] if ns[0] else ns[1])
+        mid = rates[(len(rates) - 1) // 2: len(rates) // 2 + 1]
+        n_sum += sum(n for n, _ in mid) / len(mid)
+        secs_sum += sum(secs for _, secs in mid) / len(mid)
+    return n_sum, secs_sum
 
 
 def _div(a: float, b: float) -> float | None:
@@ -109,14 +125,19 @@ def figures(res: Results, method: str, runs: list[Run], plain: dict[tuple[str, s
 
 
 def _by_turn(runs: list[Run]) -> list[float | None]:
-    """Mean seconds to the first token of each turn (turn 1, 2, ..) over the runs; [] for single-turn items
-    and for methods timed end to end only (a server over HTTP without streaming)."""
+    """Mean seconds to the first token of each turn (turn 1, 2, ..) over the prompts, each prompt's the median
+    over its repeats; [] for single-turn items and for methods timed end to end only (a server over HTTP
+    without streaming)."""
     n = max((len(r.turns) for r in runs), default=0)
     if n < 2:
         return []
     out: list[float | None] = []
     for i in range(n):
-        ts = [r.turns[i].t_prefill for r in runs if len(r.turns) > i and r.turns[i].t_prefill > 0.0]
+        by_prompt: dict[tuple[str, str], list[float]] = {}
+        for r in runs:
+            if len(r.turns) > i and r.turns[i].t_prefill > 0.0:
+                by_prompt.setdefault((r.category, r.item), []).append(r.turns[i].t_prefill)
+        ts = [statistics.median(v) for v in by_prompt.values()]
         out.append(sum(ts) / len(ts) if ts else None)
     return out
 
