@@ -114,7 +114,7 @@ def fake(tmp_path, isolated_home, monkeypatch):
 
     def measure(model, *, n_threads, ks=costs.KS, repeats=costs.REPEATS, progress=None):
         calls.append(n_threads)
-        return 20.0, {k: 1.0 + 0.8 * (k - 1) for k in ks}
+        return 20.0, {k: 1.0 + 0.8 * (k - 1) for k in ks}, True
 
     monkeypatch.setattr(costs, "measure", measure)
     return FakeModel(gguf), calls

@@ -176,7 +176,8 @@ def test_auto_runs_a_head_that_can_pay_on_the_shared_trunk(monkeypatch):
 
 def test_a_disturbed_measurement_is_not_kept_nor_decided_from(fake, monkeypatch):
     model, calls = fake
-    monkeypatch.setattr(costs, "measure", lambda model, **kw: (calls.append(1) or 634.0, {1: 1.0, 2: 0.2, 3: 0.16, 8: 2.8, 9: 2.0}))
+    monkeypatch.setattr(costs, "measure", lambda model, **kw: (calls.append(1) or 634.0, {1: 1.0, 2: 0.2, 3: 0.16, 8: 2.8, 9: 2.0},
+                                                               True))
     prof = costs.profile(model, n_threads=2)
     assert not prof.plausible and "could not be measured" in prof.note
     assert not costs.profile_path(costs.fingerprint(model.path, n_threads=2)).exists()
@@ -203,6 +204,24 @@ def test_a_profile_that_stops_short_of_the_longest_drafts_is_measured_again(fake
                                      ({1: 1.0, 2: 0.5}, False), ({1: 1.0, 2: 3.0, 3: 2.0}, False)])
 def test_plausible(bk, ok):
     assert costs.plausible(bk) is ok
+
+
+@pytest.mark.parametrize("samples, ok", [((22.0, 22.4, 23.1, 22.2, 22.9), True), ((22.0, 22.4, 41.0, 22.2, 22.9), True),
+                                          ((31.0, 74.6, 52.0, 88.1, 60.3), False), ((22.0, 40.0), True)])
+def test_steady(samples, ok):
+    """One outlier is forgiven (a quiet VM has them); timings spread as under other work are not."""
+    assert costs.steady(samples) is ok
+
+
+def test_a_flat_but_unsteady_measurement_is_not_kept(fake, monkeypatch):
+    """The test suite's load once measured t(1) 74.6 ms and B(2) 1.23: a B(k) of plausible shape, every draft
+    looking cheap. Its timings disagreed with each other: such a profile is neither kept nor decided from."""
+    model, calls = fake
+    monkeypatch.setattr(costs, "measure", lambda model, **kw: (calls.append(1) or 74.6, {k: 1.0 + 0.23 * (k - 1) for k in kw.get("ks", costs.KS)},
+                                                               False))
+    prof = costs.profile(model, n_threads=2)
+    assert not prof.plausible and "timings unsteady" in prof.note
+    assert not costs.profile_path(costs.fingerprint(model.path, n_threads=2)).exists()
 
 
 def test_the_engine_plans_from_the_kept_profile(tmp_path, isolated_home):

@@ -148,8 +148,9 @@ def run_costs(args: argparse.Namespace) -> int:
             table.add_row(str(k), f"{t.ms[k]:.1f}", f"{b:.2f}", f"{b / k:.2f}")
         out.print(table)
     for path, t in zip(paths, tables, strict=True):  # the engine reads these (exit head on or off, B(k) known at once)
-        if not costs.plausible(t.ratios):
-            err.print(f"[yellow]not kept as {path.name}'s cost profile: B(k) looks disturbed by other work on this "
+        if not costs.plausible(t.ratios) or not t.steady:
+            why = "B(k) looks" if t.steady else "the timings of one batch size disagreed, as"
+            err.print(f"[yellow]not kept as {path.name}'s cost profile: {why} disturbed by other work on this "
                       "machine; measure again when it is quiet[/]")
             continue
         kept = costs.keep(path, t.ms[1], t.ratios, n_threads=t.n_threads, repeats=t.repeats)

@@ -40,6 +40,7 @@ FORMAT = 1
 KS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 65)
 PREFIX = 64  # tokens in the cache before each timed decode
 REPEATS = 5
+STEADY = 1.35  # the spread of one batch size's timings a quiet machine stays within (steady())
 BUDGET_S = 8.0  # most seconds a measurement at load time takes (0.5B here: ~2 s, 1.5B: ~5 s)
 # flags that select ggml's CPU kernels (and so B(k)); other flags do not matter here
 _KERNEL_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
@@ -205,9 +206,21 @@ def plausible(bk: dict[int, float]) -> bool:
     return all(bk[k] >= 0.9 for k in ks if k > 1) and all(bk[b] >= 0.85 * bk[a] for a, b in zip(ks, ks[1:]))
 
 
+def steady(samples: Sequence[float]) -> bool:
+    """Whether repeated timings of one batch size agree as on a quiet machine: the second slowest
+    within STEADY of the fastest (one outlier is forgiven). Other work beside a measurement makes
+    every size slower alike and B(k) look flat: a profile the test suite's load measured had t(1)
+    74.6 ms against 22.0 quiet and B(2) 1.23 against 1.77, which plausible() took for a real one,
+    but its timings were not steady."""
+    s = sorted(samples)
+    if len(s) < 3:
+        return True
+    return s[-2] <= STEADY * s[0]
+
+
 def measure(model: Any, *, n_threads: int, ks: Sequence[int] = KS, repeats: int = REPEATS,
-            progress: Progress | None = None, budget_s: float = BUDGET_S) -> tuple[float, dict[int, float]]:
-    """(t(1) in ms, B(k)) of a loaded :class:`~eesd_local.llama.runtime.Model`: after a PREFIX-token
+            progress: Progress | None = None, budget_s: float = BUDGET_S) -> tuple[float, dict[int, float], bool]:
+    """(t(1) in ms, B(k), whether the timings of batches of 1 and 2 were steady()) of a loaded :class:`~eesd_local.llama.runtime.Model`: after a PREFIX-token
     prefill, decode k tokens with logits for every row and trim back, ``repeats`` times per k
     (rotating the order, after one warm-up round); medians. Past ``budget_s`` seconds (a slow
     or busy machine) it stops after the first counted round."""
@@ -232,7 +245,7 @@ def measure(model: Any, *, n_threads: int, ks: Sequence[int] = KS, repeats: int 
     finally:
         ctx.close()
     med = {k: statistics.median(v) for k, v in times.items()}
-    return 1e3 * med[1], {k: round(med[k] / med[1], 4) for k in ks}
+    return 1e3 * med[1], {k: round(med[k] / med[1], 4) for k in ks}, all(steady(times[k]) for k in ks if k <= 2)
 
 
 def profile(model: Any, *, n_threads: int, n_gpu_layers: int = 0, rpc: Sequence[str] = (), refresh: bool = False,
@@ -245,11 +258,12 @@ def profile(model: Any, *, n_threads: int, n_gpu_layers: int = 0, rpc: Sequence[
         if got is not None:
             return got
         why = why or "no cost profile was kept for this model on this machine: measured once (a few seconds)"
-    t1, bk = measure(model, n_threads=n_threads, progress=progress)
+    t1, bk, calm = measure(model, n_threads=n_threads, progress=progress)
     prof = CostProfile(t1, bk, fp, time.time(), REPEATS, why)
-    if not plausible(bk):
+    if not plausible(bk) or not calm:
         prof.note = ("this machine's batch costs could not be measured (other work ran beside: B(2) "
-                     f"{bk.get(2, 0.0):.2f}); nothing kept, `eesd models costs` measures them again")
+                     f"{bk.get(2, 0.0):.2f}{'' if calm else ', timings unsteady'}); nothing kept, "
+                     "`eesd models costs` measures them again")
         prof.plausible = False
         return prof
     try:
