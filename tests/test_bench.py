@@ -12,7 +12,7 @@ from eesd_local import cli
 from eesd_local.base.errors import EesdError
 from eesd_local.gguf.reader import bytes_read_per_token
 from eesd_local.speculative.events import Stats
-from eesd_local.tools.bench import runner
+from eesd_local.tools.bench import runner, servers
 from eesd_local.tools.bench.methods import EngineMethod, MethodSpec, Sampling, Turn, parse_methods
 from eesd_local.tools.bench.prompts import CHAT_KINDS, PromptItem, chat_kind, chat_set, code_set, load_prompts, rewrite_set
 from eesd_local.tools.bench.report import (
@@ -303,3 +303,27 @@ def test_a_prompt_run_several_times_counts_its_median_run():
     assert _vs(both, plain) == pytest.approx(4.8 / 3.2)
     multi = [run("auto", "m", k, 1.0, ttft=(0.9, t)) for k, t in enumerate((0.2, 3.0, 0.3))]
     assert _by_turn(multi) == [pytest.approx(0.9), pytest.approx(0.3)]
+
+
+def test_a_repeat_starts_from_nothing_every_method_kept(tmp_path, qwen05_path, monkeypatch):
+    """--repeats measures the same requests again: the second pass must not read answers, prompts or n-gram pools
+    the first left behind (a server kept them and ran 2-4x faster on a repeat). Our engines forget them (the
+    whole prompt is prefilled again), servers are started anew and warmed up again."""
+    prompts = _write(tmp_path / "one.jsonl", [LINES[0]])
+    started = []
+    real_start = servers.ServerProcess.__init__
+
+    def counting(self, argv, port, what, env=None):
+        started.append(port)
+        real_start(self, argv, port, what, env)
+
+    monkeypatch.setattr(servers.ServerProcess, "__init__", counting)
+    said = []
+    cfg = runner.BenchConfig(model=QWEN05, prompts=str(prompts), methods="none,serve:eesd:none", max_tokens=8, repeats=2,
+                             warmup_tokens=2, n_ctx=512, cost_repeats=0)
+    res = runner.run_bench(cfg, progress=lambda done, total, what: said.append(what))
+    assert res.complete and len(res.runs) == 4
+    assert len(started) == 2 and "restarting serve:eesd:none" in said
+    first, second = (r for r in res.runs if r.method == "none")
+    assert second.turns[0].rounds.n_cached == 0 and second.turns[0].tokens == first.turns[0].tokens
+    assert all(r.mismatch is None and r.same_as_plain is not False for r in res.runs)

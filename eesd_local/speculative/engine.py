@@ -400,6 +400,16 @@ class Engine:
             if self.store is not None:
                 self.store = native.require().Store(STORE_TOKENS, STORE_MATCH)
 
+    def forget_prompts(self) -> None:
+        """Drop every prompt the engine holds (the context's and the prompt cache's): the next request is
+        prefilled from its first token, as in a fresh process (a benchmark's repeat)."""
+        with self._lock:
+            self._check_open()
+            self._end_generation("the prompts were forgotten")
+            self.ctx.clear()
+            if self.prompt_cache is not None:
+                self.prompt_cache = PromptCache(self.prompt_cache.limit)
+
     def set_controller(self, spec: str) -> None:
         """Switch the draft-length controller (between requests); it starts with a fresh belief."""
         with self._lock:

@@ -200,9 +200,10 @@ class EngineMethod:
             share = bytes_read_per_token(Path(draft.path)) / max(1, bytes_read_per_token(Path(engine.model.path)))
             self.draft_share[engine.drafter.source_name(SRC_MODEL)] = share
 
-    def forget_answers(self) -> None:
-        """Empty the engine's store of earlier answers (lookup across requests)."""
+    def fresh(self) -> None:
+        """As a fresh process for the next pass over the prompts: no earlier answers, no cached prompts."""
         self.engine.forget_answers()
+        self.engine.forget_prompts()
 
     def measure_trunk(self, prompt: list[int]) -> None:
         """Time the shared trunk's part of a target token (after the warm-up; the cache is left empty)."""

@@ -371,9 +371,21 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> Results:
             res.batch_costs = table.to_json()
         done = 0
         for rep in range(cfg.repeats):
-            for m in methods:  # a repeat measures the same requests again, not answers recalled from the last one
+            # a repeat measures the same requests again, not answers or prompts recalled from the pass before: our
+            # engines forget them, a server is started anew (its caches and n-gram pools go with the old process)
+            for m in list(methods):
                 if isinstance(m, EngineMethod):
-                    m.forget_answers()
+                    m.fresh()
+                elif rep and hasattr(m, "fresh"):
+                    report(done, res.n_planned, f"restarting {m.spec.name}")
+                    try:
+                        m.fresh()
+                        if cfg.warmup_tokens > 0:
+                            _warm_up(m, ref, cfg.warmup_tokens)
+                    except PeerFailed as exc:
+                        res.failures[m.spec.name] = str(exc)
+                        methods.remove(m)
+                        m.close()
             for k, item in enumerate(items):
                 seed = None if cfg.temperature == 0 else cfg.seed + 100_003 * rep + k
                 s = Sampling(cfg.max_tokens, cfg.temperature, cfg.top_k, cfg.top_p, seed)

@@ -286,12 +286,23 @@ class LlamaServerPeer:
         why = peer_unusable(kind, str(draft_model) if draft_model else None) if kind else None
         if why:
             raise PeerFailed(why)
-        port = free_port()
-        argv = llama_server_argv(model_path, port, spec_type=kind or None,
-                                 draft_model=draft_model if kind == "draft-simple" else None,
-                                 n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, rpc=rpc)
-        self.server = ServerProcess(argv, port, self.drafter, env={**os.environ, **STOCK_ENV})
+        self._argv = lambda port: llama_server_argv(model_path, port, spec_type=kind or None,
+                                                    draft_model=draft_model if kind == "draft-simple" else None,
+                                                    n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, rpc=rpc)
+        self._env: dict[str, str] | None = {**os.environ, **STOCK_ENV}
+        self.server = self._start()
         self.model_bytes = model_path.stat().st_size + (draft_model.stat().st_size if kind == "draft-simple" and draft_model else 0)
+
+    def _start(self) -> ServerProcess:
+        port = free_port()
+        return ServerProcess(self._argv(port), port, self.drafter, env=self._env)
+
+    def fresh(self) -> None:
+        """A new server process, as for the first pass over the prompts: what the last one kept across
+        requests (its prompt cache, ngram-mod's pool of n-grams, eesd's store of earlier answers) is gone,
+        so a repeat measures the same requests again rather than answers recalled from the pass before."""
+        self.server.stop()
+        self.server = self._start()
 
     def generate(self, prompt: list[int], s: Sampling, *, prediction: str | None = None) -> Turn:
         # (llama-server has no predicted outputs: a prediction is not sent)
@@ -333,27 +344,41 @@ class HttpPeer:
         self.spec = spec
         self.exact = False
         self.controller = "-"
-        port = free_port()
         kind = spec.http_server
+        self._env: dict[str, str] | None
         if kind == "llama-server":
-            argv = llama_server_argv(model_path, port, spec_type=spec.server_spec or None,
-                                     draft_model=draft_model if spec.server_spec == "draft-simple" else None,
-                                     n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, rpc=rpc)
+            self._argv = lambda port: llama_server_argv(model_path, port, spec_type=spec.server_spec or None,
+                                                        draft_model=draft_model if spec.server_spec == "draft-simple" else None,
+                                                        n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, rpc=rpc)
             self.drafter = "llama-server" + (f" --spec-type {spec.server_spec}" if spec.server_spec else "") + STOCK
-            env = {**os.environ, **STOCK_ENV}
+            self._env = {**os.environ, **STOCK_ENV}
         else:
-            env = None
+            self._env = None
             drafter = spec.server_spec or "auto"
-            argv = [sys.executable, "-m", "eesd_local.cli", "serve", str(model_path), "--host", "127.0.0.1", "--port",
-                    str(port), "--drafter", drafter, "--n-ctx", str(n_ctx), "--n-threads", str(n_threads),
-                    "--n-gpu-layers", str(n_gpu_layers), "--draft-max", str(draft_max), "--log-level", "warning"]
-            if drafter in ("draft-model",) and draft_model is not None:
-                argv += ["--draft-model", str(draft_model)]
-            if rpc:
-                argv += ["--rpc", ",".join(rpc)]
+
+            def eesd_argv(port: int) -> list[str]:
+                argv = [sys.executable, "-m", "eesd_local.cli", "serve", str(model_path), "--host", "127.0.0.1", "--port",
+                        str(port), "--drafter", drafter, "--n-ctx", str(n_ctx), "--n-threads", str(n_threads),
+                        "--n-gpu-layers", str(n_gpu_layers), "--draft-max", str(draft_max), "--log-level", "warning"]
+                if drafter in ("draft-model",) and draft_model is not None:
+                    argv += ["--draft-model", str(draft_model)]
+                if rpc:
+                    argv += ["--rpc", ",".join(rpc)]
+                return argv
+
+            self._argv = eesd_argv
             self.drafter = f"eesd serve --drafter {drafter}"
-        self.server = ServerProcess(argv, port, self.drafter, env=env)
+        self.server = self._start()
         self.model_bytes = model_path.stat().st_size
+
+    def _start(self) -> ServerProcess:
+        port = free_port()
+        return ServerProcess(self._argv(port), port, self.drafter, env=self._env)
+
+    def fresh(self) -> None:
+        """A new server process for the next pass over the prompts (LlamaServerPeer.fresh)."""
+        self.server.stop()
+        self.server = self._start()
 
     def generate(self, prompt: list[int], s: Sampling, *, prediction: str | None = None) -> Turn:
         # streamed, as an editor or a chat client asks: the first chunk with text times the first token
