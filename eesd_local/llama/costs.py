@@ -218,10 +218,16 @@ def steady(samples: Sequence[float]) -> bool:
     return s[-2] <= STEADY * s[0]
 
 
+def calm(times: dict[int, list[float]]) -> bool:
+    """Whether a measurement's timings by batch size were steady() where the plan leans on them most:
+    batches of 1 and 2 tokens."""
+    return all(steady(v) for k, v in times.items() if k <= 2)
+
+
 def measure(model: Any, *, n_threads: int, ks: Sequence[int] = KS, repeats: int = REPEATS,
             progress: Progress | None = None, budget_s: float = BUDGET_S) -> tuple[float, dict[int, float], bool]:
-    """(t(1) in ms, B(k), whether the timings of batches of 1 and 2 were steady()) of a loaded :class:`~eesd_local.llama.runtime.Model`: after a PREFIX-token
-    prefill, decode k tokens with logits for every row and trim back, ``repeats`` times per k
+    """(t(1) in ms, B(k), whether its timings were calm()) of a loaded :class:`~eesd_local.llama.runtime.Model`:
+    after a PREFIX-token prefill, decode k tokens with logits for every row and trim back, ``repeats`` times per k
     (rotating the order, after one warm-up round); medians. Past ``budget_s`` seconds (a slow
     or busy machine) it stops after the first counted round."""
     ks = sorted(set(ks) | {1})
@@ -245,7 +251,7 @@ def measure(model: Any, *, n_threads: int, ks: Sequence[int] = KS, repeats: int 
     finally:
         ctx.close()
     med = {k: statistics.median(v) for k, v in times.items()}
-    return 1e3 * med[1], {k: round(med[k] / med[1], 4) for k in ks}, all(steady(times[k]) for k in ks if k <= 2)
+    return 1e3 * med[1], {k: round(med[k] / med[1], 4) for k in ks}, calm(times)
 
 
 def profile(model: Any, *, n_threads: int, n_gpu_layers: int = 0, rpc: Sequence[str] = (), refresh: bool = False,

@@ -35,7 +35,7 @@ from eesd_local.base.params import check_int
 from eesd_local.gguf.check import check_gguf
 from eesd_local.gguf.reader import read_header
 from eesd_local.llama.catalog import check_variant
-from eesd_local.llama.costs import steady, time_batches
+from eesd_local.llama.costs import calm, time_batches
 from eesd_local.llama.ggmlapi import init_backend
 from eesd_local.llama.runtime import Context, ContextParams, Model, default_threads
 from eesd_local.speculative import chat
@@ -61,7 +61,7 @@ class CostTable:
     repeats: int
     prefix: int
     ms: dict[int, float] = field(default_factory=dict)  # k -> median milliseconds
-    steady: bool = True  # the timings of batches of 1 and 2 agreed as on a quiet machine (costs.steady)
+    steady: bool = True  # the timings of batches of 1 and 2 agreed as on a quiet machine (costs.calm)
 
     @property
     def ratios(self) -> dict[int, float]:
@@ -117,7 +117,7 @@ def batch_costs(paths: Sequence[str | os.PathLike[str]], ks: Sequence[int] = tup
                     if progress:
                         progress(done, total, f"{model.path.name} k={k}")
         return [CostTable(str(m.path), threads, repeats, prefix, {k: 1e3 * statistics.median(v) for k, v in t.items()},
-                          all(steady(t[k]) for k in ks if k <= 2))
+                          calm(t))
                 for (m, _), t in zip(opened, times, strict=True)]
     finally:
         for model, ctx in reversed(opened):

@@ -317,6 +317,13 @@ def _warm_up(method: Method, ref: EngineMethod, tokens: int) -> None:
     method.generate(prompt, Sampling(max_tokens=tokens))
 
 
+def _drop(res: Results, methods: list[Method], m: Method, exc: PeerFailed) -> None:
+    """A peer that failed (to warm up, to restart, to answer): its row says why; the rest of the run goes on."""
+    res.failures[m.spec.name] = str(exc)
+    methods.remove(m)
+    m.close()
+
+
 def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> Results:
     """Load every method, warm it up, then run prompts x methods interleaved. Ctrl-C ends
     the loop early; the results then hold what was measured (``complete`` is False)."""
@@ -352,9 +359,7 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> Results:
                 try:
                     _warm_up(m, ref, cfg.warmup_tokens)
                 except PeerFailed as exc:
-                    res.failures[spec.name] = str(exc)
-                    methods.remove(m)
-                    m.close()
+                    _drop(res, methods, m, exc)
                     continue
             rss1 = rss_bytes()
             growth = rss1 - rss0 if rss0 is not None and rss1 is not None else None
@@ -383,9 +388,7 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> Results:
                         if cfg.warmup_tokens > 0:
                             _warm_up(m, ref, cfg.warmup_tokens)
                     except PeerFailed as exc:
-                        res.failures[m.spec.name] = str(exc)
-                        methods.remove(m)
-                        m.close()
+                        _drop(res, methods, m, exc)
             for k, item in enumerate(items):
                 seed = None if cfg.temperature == 0 else cfg.seed + 100_003 * rep + k
                 s = Sampling(cfg.max_tokens, cfg.temperature, cfg.top_k, cfg.top_p, seed)
@@ -397,9 +400,7 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> Results:
                     try:
                         runs[m.spec.name] = run_item(m, item, ref, s, cfg.n_ctx, rep)
                     except PeerFailed as exc:  # a peer that died or answered an error: its row ends here
-                        res.failures[m.spec.name] = str(exc)
-                        methods.remove(m)
-                        m.close()
+                        _drop(res, methods, m, exc)
                     done += 1
                 plain = runs["none"]
                 for m in methods:  # a prompt counts once every method has run it

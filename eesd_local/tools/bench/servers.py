@@ -273,7 +273,30 @@ def peer_unusable(spec_type: str, draft_model: str | None) -> str | None:
     return None
 
 
-class LlamaServerPeer:
+class _ServerPeer:
+    """A method that is a server process, started from ``_argv(port)`` with ``_env``."""
+
+    _argv: Callable[[int], list[str]]
+    _env: dict[str, str] | None
+    drafter: str
+    server: ServerProcess
+
+    def _start(self) -> ServerProcess:
+        port = free_port()
+        return ServerProcess(self._argv(port), port, self.drafter, env=self._env)
+
+    def fresh(self) -> None:
+        """A new server process, as for the first pass over the prompts: what the last one kept across
+        requests (its prompt cache, ngram-mod's pool of n-grams, eesd's store of earlier answers) is gone,
+        so a repeat measures the same requests again rather than answers recalled from the pass before."""
+        self.server.stop()
+        self.server = self._start()
+
+    def close(self) -> None:
+        self.server.stop()
+
+
+class LlamaServerPeer(_ServerPeer):
     """llama-server, plain or with one --spec-type, timed by its own ``timings``."""
 
     def __init__(self, spec: MethodSpec, model_path: Path, *, n_ctx: int, n_threads: int, n_gpu_layers: int,
@@ -289,20 +312,9 @@ class LlamaServerPeer:
         self._argv = lambda port: llama_server_argv(model_path, port, spec_type=kind or None,
                                                     draft_model=draft_model if kind == "draft-simple" else None,
                                                     n_ctx=n_ctx, n_threads=n_threads, n_gpu_layers=n_gpu_layers, rpc=rpc)
-        self._env: dict[str, str] | None = {**os.environ, **STOCK_ENV}
+        self._env = {**os.environ, **STOCK_ENV}
         self.server = self._start()
         self.model_bytes = model_path.stat().st_size + (draft_model.stat().st_size if kind == "draft-simple" and draft_model else 0)
-
-    def _start(self) -> ServerProcess:
-        port = free_port()
-        return ServerProcess(self._argv(port), port, self.drafter, env=self._env)
-
-    def fresh(self) -> None:
-        """A new server process, as for the first pass over the prompts: what the last one kept across
-        requests (its prompt cache, ngram-mod's pool of n-grams, eesd's store of earlier answers) is gone,
-        so a repeat measures the same requests again rather than answers recalled from the pass before."""
-        self.server.stop()
-        self.server = self._start()
 
     def generate(self, prompt: list[int], s: Sampling, *, prediction: str | None = None) -> Turn:
         # (llama-server has no predicted outputs: a prediction is not sent)
@@ -331,11 +343,9 @@ class LlamaServerPeer:
         turn.rounds = st
         return turn
 
-    def close(self) -> None:
-        self.server.stop()
 
 
-class HttpPeer:
+class HttpPeer(_ServerPeer):
     """A server timed end to end through HTTP (``/v1/completions``, greedy, token-id prompt):
     ``eesd serve`` with one drafter, or llama-server, as a client sees them."""
 
@@ -345,7 +355,6 @@ class HttpPeer:
         self.exact = False
         self.controller = "-"
         kind = spec.http_server
-        self._env: dict[str, str] | None
         if kind == "llama-server":
             self._argv = lambda port: llama_server_argv(model_path, port, spec_type=spec.server_spec or None,
                                                         draft_model=draft_model if spec.server_spec == "draft-simple" else None,
@@ -371,15 +380,6 @@ class HttpPeer:
         self.server = self._start()
         self.model_bytes = model_path.stat().st_size
 
-    def _start(self) -> ServerProcess:
-        port = free_port()
-        return ServerProcess(self._argv(port), port, self.drafter, env=self._env)
-
-    def fresh(self) -> None:
-        """A new server process for the next pass over the prompts (LlamaServerPeer.fresh)."""
-        self.server.stop()
-        self.server = self._start()
-
     def generate(self, prompt: list[int], s: Sampling, *, prediction: str | None = None) -> Turn:
         # streamed, as an editor or a chat client asks: the first chunk with text times the first token
         body: dict[str, Any] = {"prompt": prompt, "max_tokens": s.max_tokens, "temperature": s.temperature,
@@ -397,5 +397,3 @@ class HttpPeer:
         # end to end: every token over the whole request (prompt included), as a client waits for it
         return Turn([], text, first, wall * (n - 1) / n if n > 1 else 0.0, count=n)
 
-    def close(self) -> None:
-        self.server.stop()
