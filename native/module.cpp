@@ -123,6 +123,7 @@ py::array_t<double> probs(const Logits& logits, double temperature, int top_k, d
 PYBIND11_MODULE(_native, m) {
     m.doc() = "The speculative round of eesd_local in C++ against llama-cpp-python's libllama";
     m.attr("LLAMA_CPP_VERSION") = EESD_LLAMA_CPP_VERSION;
+    m.attr("LOOKUP_MIN_MATCH") = eesd::LOOKUP_MIN_MATCH;  // the shortest match a lookup or store offer is made at
     // libllama's ABI changes between llama-cpp-python releases: refuse any other one
     auto have = py::module_::import("llama_cpp").attr("__version__").cast<std::string>();
     if (have != EESD_LLAMA_CPP_VERSION)

@@ -42,6 +42,10 @@ void Rounds::one_round(int max_n, RoundOut& r) {
                 conf = match_confidence(ngram_max_, ngram_max_);
                 from_store = true;
             }
+            if (match_len_ < LOOKUP_MIN_MATCH && (mode_ == POINT || mode_ == CHOOSE)) {  // too short to bet a verify on
+                cands_.clear();
+                from_store = false;
+            }
         }
         int mode = predicted && mode_ == NONE ? POINT : mode_;  // plain decoding drafts a prediction alone
         bool offers = mode == POINT || mode == CHOOSE;  // a hierarchical drafter's guesses are not free proposals

@@ -60,8 +60,11 @@ class LookupDrafter:
         return list(cont), n
 
     def offer(self, history: list[int], max_n: int) -> Offer:
-        cont, n, match = native.require().lookup(history, 1, self.ngram_max, max_n)
-        conf = native.require().match_confidence(n, self.ngram_max) if cont else 0.0
+        nat = native.require()
+        cont, n, match = nat.lookup(history, 1, self.ngram_max, max_n)
+        if match < nat.LOOKUP_MIN_MATCH:  # as the round loop: no offer on a match shorter than this
+            cont = []
+        conf = nat.match_confidence(n, self.ngram_max) if cont else 0.0
         return Offer(len(cont), conf, tokens=tuple(cont), match=match if cont else 0)
 
 
@@ -121,7 +124,7 @@ def replay_one(ctl, drafter, prompt: list[int], answer: list[int], bms: dict[int
         if hs is not None:
             hs.add(len(history), offer.tokens, offer.match)
         ctl.begin_round(offer.n, offer.confidence, offer.behind, offer.match)
-        cont, ng = drafter.lookup(history, max_n)
+        cont, ng = drafter.lookup(history, max_n) if offer.n else ([], 0)
         k = 0
         confs = []
         conf = ng / (drafter.ngram_max + 1.0)

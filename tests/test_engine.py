@@ -46,7 +46,10 @@ def test_target_as_its_own_drafter_accepts_everything_when_sampling(plain):
 def test_rounds_and_provenance(plain):
     eng0, prompts, _ = plain
     with eesd_local.load(QWEN05, n_ctx=2048, drafter="lookup", controller="fixed:6") as eng:
-        evs = list(eng.generate(prompts[14], max_tokens=48))  # a rewrite prompt: lookup pays
+        # a sentence asked back word for word: lookup pays (it offers on matches of LOOKUP_MIN_MATCH tokens or more);
+        # the answer ends by length, before the sentence does (drafts accepted past an end of text are not emitted)
+        copy = "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog near the river bank."
+        evs = list(eng.generate(eng.tokenize(eng.apply_chat_template([{"role": "user", "content": copy}])), max_tokens=12))
     toks = [e for e in evs if isinstance(e, TokenEvent)]
     rounds = [e for e in evs if isinstance(e, RoundEvent)]
     fin = evs[-1]

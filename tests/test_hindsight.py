@@ -337,13 +337,14 @@ def test_the_loop_reports_the_reference_offers(tiny, drafter):
         hist = prompt + toks[:r]
         hs.see(hist)
         cont, _, match = look.lookup_match(hist, round_limit(draft_max, max_tokens - r, room - len(hist) + 1))
-        if cont:
+        if cont and match >= native.require().LOOKUP_MIN_MATCH:  # the loop offers nothing on a shorter match
             hs.add(len(hist), tuple(cont), match)
     want = _lookup_state(ref)
     assert want["req_seen"] >= 10, "too few offers were resolved to compare"
     assert float(want["req_seen"]) == got[1]
     assert np.array_equal(_classes(want), got[0])
-    assert _ambiguous_offers(prompt + toks, len(prompt)) > 0, "no ambiguous n-gram was offered: the rule is untested"
+    # an ambiguous n-gram counts as a one-token match: below the floor, so it was found and not offered
+    assert _ambiguous_offers(prompt + toks, len(prompt)) > 0, "no ambiguous n-gram came up: the rule is untested"
 
 
 # --- a real model: writing, then copying --------------------------------------------

@@ -175,12 +175,14 @@ class PyLookup(DrafterBase):
 
     def offer(self, history, max_n):
         cont, n, length = self.ref.lookup_match(history, max_n)
+        if length < _native.LOOKUP_MIN_MATCH:  # the loop's floor: no offer on a shorter match
+            cont = []
         return Offer(len(cont), match_confidence(n, 4) if cont else 0.0, tokens=tuple(cont), match=length if cont else 0)
 
     def propose(self, history, want_more, max_n, params, rng, source=-2):
         prop = Proposal(source=self.name)
-        cont, n = self.ref.lookup(history, max_n)
-        if not cont or max_n <= 0 or not want_more(0, 1.0):
+        cont, n, length = self.ref.lookup_match(history, max_n)
+        if length < _native.LOOKUP_MIN_MATCH or not cont or max_n <= 0 or not want_more(0, 1.0):
             return prop
         for i, tok in enumerate(cont):
             if i and not want_more(i, match_confidence(n, 4)):
@@ -486,3 +488,32 @@ def test_the_same_request_again_drafts_from_its_earlier_answer(tiny, drafter):
         _, drafted, accepted = again.stats.by_source["earlier-answers"]
         assert accepted >= 80 and first.stats.by_source.get("earlier-answers") is None
         assert eng.store.entries == 2
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "auto"])
+def test_lookup_drafts_only_after_a_match_of_the_floor(tiny, drafter):
+    """Prompt lookup (and the store) bet a verify only where the context matches its source for at least
+    LOOKUP_MIN_MATCH tokens: on a prompt full of short repeats, no round drafts at a shorter match, while
+    shorter matches were there to draft on; the output is plain decoding's."""
+    target, _ = tiny
+    rng = np.random.default_rng(3)
+    prompt = [int(t) for t in rng.integers(300, 306, size=240)] + list(range(400, 440)) * 2  # short repeats, then a long one
+    floor = _native.LOOKUP_MIN_MATCH
+    with eesd_local.load(target, drafter=drafter, n_ctx=2048, controller="fixed:8") as eng:
+        eng.store = None
+        want = eng.run(prompt, max_tokens=80, prediction=None)
+        tokens: list[int] = []
+        short = drafted_long = 0
+        for ev in eng.generate(prompt, max_tokens=80):
+            if isinstance(ev, TokenEvent):
+                tokens.append(ev.token)
+            elif isinstance(ev, RoundEvent):  # (it comes before the tokens it emits)
+                history = prompt + tokens
+                cont, _, match = _native.lookup(history, 1, 4, 8)
+                if ev.drafted and ev.source == "lookup":
+                    assert match >= floor, (ev.index, match)
+                    drafted_long += 1
+                elif cont and match < floor:
+                    short += 1
+        assert short > 0 and drafted_long > 0  # both kinds of round came up
+        assert eng.run(prompt, max_tokens=80).text == want.text

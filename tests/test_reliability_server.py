@@ -255,8 +255,11 @@ def test_a_draft_max_beyond_the_batch_is_a_400_with_the_range(server):
 
 def test_a_long_draft_max_is_honoured(server):
     """draft_max 99 is within the target's batch and is honoured: with a fixed draft length of 90 (the
-    default controller's choice depends on this machine's timings) rounds draft past any default's length."""
+    default controller's choice depends on this machine's timings) rounds draft past any default's length.
+    The same request sent again drafts from its earlier answer (matches of the whole prompt's end: lookup offers
+    nothing on a match of fewer than LOOKUP_MIN_MATCH tokens, and the tiny model's answer repeats little)."""
     body = {"prompt": REPEATING, "max_tokens": 200, "temperature": 0,
             "speculation": {"draft_max": 99, "controller": "fixed:90"}}
+    server.post(body)
     spec = server.post(body).json()["speculation"]
     assert spec["controller"] == "fixed:90" and len(spec["acceptance_by_position"]) > 64, spec

@@ -30,7 +30,10 @@ from eesd_local.tools import heads
 from .conftest import QWEN05
 from .scripted import ScriptedEngine
 
-REWRITE = "Add type hints to: def add(a, b): return a + b"  # lookup drafts from the prompt and gets accepted
+REWRITE = "Add type hints to: def add(a, b): return a + b"
+# lookup drafts from the prompt and gets accepted (it offers only on a match of LOOKUP_MIN_MATCH tokens or more: a
+# sentence copied whole has them from its fourth word on)
+COPY = "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog near the river bank."
 SIZE = (120, 40)
 QUESTION = "Write a Python function that reverses a string, with a docstring and tests."
 
@@ -117,7 +120,7 @@ def test_answer_streams_with_speculation_figures(engine, monkeypatch):
     monkeypatch.setattr(engine, "generate", watched)
 
     async def script(pilot):
-        app.query_one("#prompt").value = REWRITE
+        app.query_one("#prompt").value = COPY
         await pilot.press("enter")
         await wait_until(pilot, lambda: not app.generating)
         seen_live.append(app.query_one(SpeculationPanel).plain_text())
@@ -367,7 +370,7 @@ def test_scripted_stop_mid_answer():
     engine.hold_after = 3
 
     async def script(pilot):
-        app.query_one("#prompt").value = REWRITE
+        app.query_one("#prompt").value = COPY
         await pilot.press("enter")
         await wait_until(pilot, lambda: app.current is not None and len(app.current.answer.pieces) >= 3)
         await pilot.press("escape")
