@@ -327,3 +327,18 @@ def test_a_repeat_starts_from_nothing_every_method_kept(tmp_path, qwen05_path, m
     first, second = (r for r in res.runs if r.method == "none")
     assert second.turns[0].rounds.n_cached == 0 and second.turns[0].tokens == first.turns[0].tokens
     assert all(r.mismatch is None and r.same_as_plain is not False for r in res.runs)
+
+
+def test_no_method_keeps_its_place_or_its_neighbour_from_pass_to_pass():
+    """Each prompt's median pass is not one place's: with as many prompts as methods (the old rotation by the
+    prompt's number then gave a prompt the same order in every pass), a prompt's order changes between passes,
+    and every method runs right after a given other one in some passes and not in others."""
+    methods = ["none", "auto", "llama-server", "ngram-simple", "ngram-mod", "ngram-map-k"]
+    for k in range(12):
+        orders = [runner.run_order(methods, rep, k) for rep in range(3)]
+        assert all(sorted(o) == sorted(methods) for o in orders)
+        assert len({tuple(o) for o in orders}) == 3
+        after_none = {o[o.index("none") + 1] if o.index("none") + 1 < len(o) else None for o in orders}
+        assert len(after_none) > 1, (k, orders)
+    firsts = {runner.run_order(methods, rep, k)[0] for rep in range(3) for k in range(12)}
+    assert firsts == set(methods)

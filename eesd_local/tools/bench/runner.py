@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -51,6 +52,7 @@ from eesd_local.tools.registry import resolve_model
 from eesd_local.tools.weights import COST_KS, batch_costs
 
 # progress(done, total, what): done == 0 while methods load and warm up
+_M = TypeVar("_M")
 Progress = Callable[[int, int, str], None]
 WARMUP_MESSAGE = "Write a Python function that returns the n-th Fibonacci number."
 
@@ -324,6 +326,16 @@ def _drop(res: Results, methods: list[Method], m: Method, exc: PeerFailed) -> No
     m.close()
 
 
+def run_order(methods: list[_M], rep: int, k: int) -> list[_M]:
+    """The order the methods run prompt ``k`` in, in pass ``rep``: rotated from prompt to prompt and from pass to
+    pass, and backwards every other pass, so that no method always runs first, last or right after the same other
+    one (each prompt's median pass is then not one place's; a rotation by the prompt's number over the whole run
+    gave every prompt the same order in every pass when the prompts were a multiple of the methods)."""
+    shift = (rep + k) % len(methods)
+    order = methods[shift:] + methods[:shift]
+    return order[::-1] if rep % 2 else order
+
+
 def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> Results:
     """Load every method, warm it up, then run prompts x methods interleaved. Ctrl-C ends
     the loop early; the results then hold what was measured (``complete`` is False)."""
@@ -392,10 +404,8 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> Results:
             for k, item in enumerate(items):
                 seed = None if cfg.temperature == 0 else cfg.seed + 100_003 * rep + k
                 s = Sampling(cfg.max_tokens, cfg.temperature, cfg.top_k, cfg.top_p, seed)
-                # the order rotates from prompt to prompt, so no method always runs first or last
-                shift = (rep * len(items) + k) % len(methods)
                 runs: dict[str, Run] = {}
-                for m in methods[shift:] + methods[:shift]:
+                for m in run_order(methods, rep, k):
                     report(done, res.n_planned, f"{m.spec.name} · {item.category}/{item.id}")
                     try:
                         runs[m.spec.name] = run_item(m, item, ref, s, cfg.n_ctx, rep)
