@@ -14,6 +14,7 @@ import pytest
 import eesd_local
 from eesd_local.gguf.tiny import write_tiny_gguf
 from eesd_local.speculative.events import TokenEvent
+from eesd_local.speculative.promptcache import RESTORE_MIN_TOKENS
 
 from .conftest import QWEN05
 
@@ -130,6 +131,30 @@ def test_conversations_that_come_back_are_restored_from_ram(tiny):
     with eesd_local.load(tiny, drafter="none", n_ctx=1024, cache_ram=0) as eng:
         assert eng.prompt_cache is None
         assert [_answer(eng, convs[c][t], 8)[0] for c, t in order] == [fresh[k] for k in order]
+
+
+def test_short_prompts_after_a_shared_system_prompt_come_back_from_ram(tiny):
+    """Chat requests share a system prompt and differ in a few tokens each (a short question): each one that
+    comes again is restored from RAM whole, however short its own part, and answers as a fresh process does
+    (until 2026-11-29 a state came back only when it gave 32 tokens more than the cache, so such a prompt was
+    prefilled again every time)."""
+    system = [(7 * i + 3) % 500 for i in range(40)]
+    own = (6, 12, RESTORE_MIN_TOKENS + 1, 9)  # tokens after the system prompt; the last one gives the first logits
+    prompts = [system + [(b + 13 * i) % 500 for i in range(n)] for b, n in zip((5, 50, 90, 130), own)]
+    with eesd_local.load(tiny, drafter="none", n_ctx=1024) as eng:
+        fresh = []
+        for p in prompts:
+            eng.ctx.clear()
+            fresh.append(_answer(eng, p, 6)[0])
+    with eesd_local.load(tiny, drafter="none", n_ctx=1024) as eng:
+        for rnd in range(2):
+            for p, want in zip(prompts, fresh):
+                got, cached = _answer(eng, p, 6)
+                assert got == want
+                if rnd == 1:  # the whole prompt but its last token (which gives the first logits) came back
+                    assert cached == len(p) - 1, (len(p), cached)
+                else:
+                    assert cached <= len(system) + 1
 
 
 def test_a_prefill_cancelled_between_chunks_keeps_only_whole_chunks_and_changes_no_answer(tiny):

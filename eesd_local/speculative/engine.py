@@ -54,7 +54,7 @@ from eesd_local.speculative.controllers import Controller as StateController
 from eesd_local.speculative.drafters import DRAFTERS, make_drafter, n_sources, placement, shared_trunk_plan
 from eesd_local.speculative.drafters.base import Drafter, NoDrafter
 from eesd_local.speculative.events import Event, FinishEvent, RoundEvent, Stats, TokenEvent
-from eesd_local.speculative.promptcache import MIN_TOKENS, PromptCache
+from eesd_local.speculative.promptcache import RESTORE_MIN_TOKENS, SAVE_MIN_TOKENS, PromptCache
 from eesd_local.speculative.rounds import Controller, Rounds
 from eesd_local.speculative.sampling import SamplingParams, TokenRNG
 
@@ -364,9 +364,9 @@ class Engine:
         saved = self.prompt_cache
         if saved is not None:
             found = saved.best(prompt)
-            if ctx.n_past - keep >= MIN_TOKENS:  # another conversation: keep this one's state for its next turn
+            if ctx.n_past - keep >= SAVE_MIN_TOKENS:  # another conversation: keep this one's state for its next turn
                 saved.put(ctx.tokens, ctx.save_state())
-            if found is not None and min(found[2], len(prompt) - 1) >= keep + MIN_TOKENS:
+            if found is not None and min(found[2], len(prompt) - 1) >= keep + RESTORE_MIN_TOKENS:
                 ctx.restore_state(found[1], found[0])
                 keep = min(found[2], len(prompt) - 1)
         ctx.trim(keep)
