@@ -1,9 +1,10 @@
 """`eesd serve` beside llama-server over HTTP, request by request (issue 42): time to the first streamed
 token, streamed decode tok/s and end-to-end tok/s per prompt kind, the servers' turns alternating.
 
-One prompt of each chat kind and one code request, sent `--rounds` times in turn to every server (the order
-of the servers reversed every other request), greedy, streamed. By default a prompt comes back unchanged in
-every round, as a conversation that a server sees again among others (what its prompt cache is for); with
+One prompt of each chat kind and one code request, sent `--rounds` times in turn to every server (in the
+bench's order: rotated from request to request, backwards every other round), greedy, streamed. By default a
+prompt comes back unchanged in every round, as a conversation that a server sees again among others (what its
+prompt cache is for); with
 `--cold` each round puts a new prefix on the user's message, so that every prefill starts after the shared
 system prompt. llama-server runs with its stock kernels (GGML_CPU_EXACT_ROWS=0, as users install it) from
 EESD_LLAMA_TOOLS or build/llama-tools (`python scripts/llama_build.py tools`); `--inproc` adds the engine in
@@ -25,28 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import eesd_local  # noqa: E402
 from eesd_local.llama.catalog import resolve_model  # noqa: E402
-from eesd_local.speculative.events import TokenEvent  # noqa: E402
-from eesd_local.tools.bench.methods import Sampling, Turn, parse_methods  # noqa: E402
+from eesd_local.tools.bench.methods import EngineMethod, Sampling, parse_methods  # noqa: E402
 from eesd_local.tools.bench.prompts import chat_set, code_set  # noqa: E402
+from eesd_local.tools.bench.runner import run_order  # noqa: E402
 from eesd_local.tools.bench.servers import HttpPeer  # noqa: E402
-
-
-class InProcess:
-    """The engine in this process, timed as the HTTP peers are (first token, then the rest)."""
-
-    def __init__(self, model: Path, drafter: str) -> None:
-        self.eng = eesd_local.load(str(model), drafter=drafter, n_ctx=4096, draft_max=8)
-
-    def generate(self, prompt: list[int], s: Sampling) -> Turn:
-        t0, first, n = time.perf_counter(), 0.0, 0
-        for ev in self.eng.generate(prompt, max_tokens=s.max_tokens, temperature=0.0):
-            if isinstance(ev, TokenEvent):
-                n += 1
-                first = first or time.perf_counter() - t0
-        return Turn([], "", first, 0.0, count=n)
-
-    def close(self) -> None:
-        self.eng.close()
 
 
 def main() -> int:
@@ -78,16 +61,17 @@ def main() -> int:
     peers = {f"eesd serve --drafter {args.drafter}": http(f"serve:eesd:{args.drafter}"),
              "llama-server": http("serve:llama-server")}
     if args.inproc:
-        peers["in process"] = InProcess(model, args.drafter)
+        engine = eesd_local.load(str(model), drafter=args.drafter, n_ctx=4096, draft_max=8)
+        peers["in process"] = EngineMethod(parse_methods(args.drafter)[-1], engine)
     s = Sampling(max_tokens=args.max_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=None)
     res = {name: [] for name in peers}  # (kind, tokens, seconds, first-token seconds)
     try:
-        for peer in peers.values():  # warm-up: a request none of the rounds sends
+        for peer in peers.values():  # warm-up (with --cold, a prompt none of the rounds sends)
             peer.generate(prompts[0][1][args.rounds], s)
         names = list(peers)
         for r in range(args.rounds):
             for i, (kind, per_round) in enumerate(prompts):
-                for name in (names if (r + i) % 2 == 0 else names[::-1]):
+                for name in run_order(names, r, i):  # the bench's order: rotated, backwards every other pass
                     t0 = time.perf_counter()
                     turn = peers[name].generate(per_round[r], s)
                     res[name].append((kind, turn.n, time.perf_counter() - t0, turn.t_prefill))
