@@ -19,7 +19,7 @@ from eesd_local.base.paths import models_dir
 from eesd_local.gguf import headfile, writer
 from eesd_local.gguf import reader as ggufread
 from eesd_local.llama import costs, trunk
-from eesd_local.llama.runtime import Context, ContextParams, Model
+from eesd_local.llama.runtime import Context, ContextParams, Model, common_prefix
 from eesd_local.speculative.events import TokenEvent
 from eesd_local.speculative.sampling import SamplingParams
 from eesd_local.tools import heads
@@ -157,6 +157,37 @@ def test_the_engine_runs_eesd_on_the_split_target(monkeypatch):
         assert eng.trunk is None and not eng.model.vocab_only and eng.drafter.name == "lookup"
     with eesd_local.load(QWEN05, drafter="auto", n_ctx=1024, shared_trunk=True) as eng:
         assert eng.trunk is not None and eng.drafter.model.ctx is eng.trunk
+
+
+def test_a_split_target_keeps_idle_prompts_in_ram_and_answers_as_the_whole_model(qwen05_path):
+    """--cache-ram with the exit head on (auto's choice where B(k) is flat enough): conversations that take
+    turns come back from RAM, the trunk's state and the tail's together, and every answer is the whole
+    model's, fresh (until 2026-11-29 a split target kept no prompt cache: each conversation's later turn
+    was prefilled from its first token)."""
+    def chat(user: str, more: str = "") -> str:
+        return (f"<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
+                f"<|im_start|>assistant\n{more}")
+    firsts = ["Write a Python function that reverses a linked list.", "What is the capital of Australia? Say why.",
+              "List five uses of a hash map."]
+    convs = [[chat(u), chat(u, "Here it is.<|im_end|>\n<|im_start|>user\nNow make it shorter.<|im_end|>\n"
+                          "<|im_start|>assistant\n")] for u in firsts]
+    order = [(c, t) for t in range(2) for c in range(3)]  # A1 B1 C1 A2 B2 C2
+    with eesd_local.load(qwen05_path, drafter="none", n_ctx=1024, shared_trunk=False) as eng:
+        fresh = {}
+        for c, t in order:
+            eng.forget_prompts()
+            fresh[c, t] = eng.run(convs[c][t], max_tokens=16).text
+        tokens = {k: eng.tokenize(convs[k[0]][k[1]]) for k in order}
+    with eesd_local.load(qwen05_path, drafter="eesd", n_ctx=1024, shared_trunk=True, controller="fixed:3") as eng:
+        assert isinstance(eng.ctx, trunk.SplitTarget) and eng.prompt_cache is not None
+        for c, t in order:
+            fin = eng.run(convs[c][t], max_tokens=16)
+            assert fin.text == fresh[c, t], (c, t)
+            assert eng.ctx.trunk.n_past == eng.ctx.tail.n_past
+            if t:  # the conversation's first turn came back from RAM, though two others ran in between
+                shared = common_prefix(tokens[c, 0], tokens[c, 1])
+                assert fin.stats.n_cached >= shared - 1, (c, fin.stats.n_cached, shared)
+        assert len(eng.prompt_cache) >= 2
 
 
 # --- bad input -------------------------------------------------------------------------

@@ -37,9 +37,10 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import mmap
+import struct
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import gguf
@@ -358,6 +359,29 @@ class SplitTarget:
     def clear(self) -> None:
         self.tail.clear()
         self.trunk.clear()
+
+    def save_state(self) -> bytes:
+        """Both contexts' KV states (the trunk's first, its length ahead of it), for :meth:`restore_state`:
+        the prompt cache keeps a split target's idle prompts as it keeps a whole target's."""
+        self.trunk.trim(self.tail.n_past)  # drafts past the tail's positions are not part of the prompt
+        if self.trunk.tokens != self.tail.tokens:
+            raise RuntimeError("the trunk context is out of step with the tail")
+        trunk = self.trunk.save_state()
+        return struct.pack("<Q", len(trunk)) + trunk + self.tail.save_state()
+
+    def restore_state(self, state: bytes, tokens: Sequence[int]) -> None:
+        """Put back a state :meth:`save_state` gave, which holds ``tokens``; the caches held before are dropped.
+        The trunk's h_N rows are not part of it: the next decode computes the rows it feeds the tail."""
+        (n,) = struct.unpack_from("<Q", state)
+        if n + 8 > len(state):
+            raise EesdError("a saved split-target state is damaged")
+        view = memoryview(state)
+        try:
+            self.trunk.restore_state(view[8 : 8 + n], tokens)  # type: ignore[arg-type]
+            self.tail.restore_state(view[8 + n :], tokens)  # type: ignore[arg-type]
+        except BaseException:
+            self.clear()
+            raise
 
     def decode(self, tokens, *, n_logits: int = 1, stop=None) -> int:
         """The trunk's rows, then the tail's; ``stop`` is not asked (a split target decodes a prompt whole)."""

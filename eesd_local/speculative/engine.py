@@ -164,8 +164,8 @@ class Engine:
                 self.drafter_note += f"; {no_split}: the exit head runs as a separate draft model"
             lap("drafter")
             self.controller = self._new_controller(config.controller, n_sources(self.drafter))
-            # idle prompts' states in RAM: for a target context of its own (a split target's trunk holds rows too)
-            self.prompt_cache = PromptCache(config.cache_ram << 20) if config.cache_ram > 0 and plan is None else None
+            # idle prompts' states in RAM (a split target saves its trunk's and its tail's)
+            self.prompt_cache = PromptCache(config.cache_ram << 20) if config.cache_ram > 0 else None
             # earlier answers (each after its prompt's end), which prompt lookup searches beside the history (None: off)
             self.store: Any = native.require().Store(STORE_TOKENS, STORE_MATCH)
         except BaseException:
