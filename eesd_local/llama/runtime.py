@@ -416,20 +416,30 @@ class Context:
         """How many more tokens fit into the context."""
         return self.n_ctx - self.n_past
 
-    def save_state(self) -> bytes:
-        """Sequence 0's KV state (what :meth:`restore_state` takes back), as llama.cpp serialises it."""
+    def save_state(self) -> bytearray:
+        """Sequence 0's KV state (what :meth:`restore_state` takes back), as llama.cpp serialises it: written
+        straight into the buffer returned (tens of MB for a long prompt: no second copy)."""
         size = int(lc.llama_state_seq_get_size(self.ptr, 0))
-        buf = (ctypes.c_uint8 * size)()
+        out = bytearray(size)
+        buf = (ctypes.c_uint8 * size).from_buffer(out)
         got = int(lc.llama_state_seq_get_data(self.ptr, buf, size, 0))
+        del buf  # (a live view would pin the bytearray's size)
         if got != size:
             raise EesdError(f"llama.cpp saved {got} of {size} bytes of a KV state")
-        return bytes(buf)
+        return out
 
-    def restore_state(self, state: bytes, tokens: Sequence[int]) -> None:
-        """Put back a state :meth:`save_state` gave, which holds ``tokens``; the cache held before is dropped."""
+    def restore_state(self, state: bytes | bytearray | memoryview, tokens: Sequence[int]) -> None:
+        """Put back a state :meth:`save_state` gave, which holds ``tokens``; the cache held before is dropped.
+        A writable state (what save_state returns) is read in place, anything else copied once."""
         self.clear()
-        buf = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-        if int(lc.llama_state_seq_set_data(self.ptr, buf, len(state), 0)) != len(state):
+        n = len(state)
+        try:
+            buf = (ctypes.c_uint8 * n).from_buffer(state)  # type: ignore[arg-type]
+        except TypeError:  # read-only (bytes): a copy
+            buf = (ctypes.c_uint8 * n).from_buffer_copy(state)
+        ok = int(lc.llama_state_seq_set_data(self.ptr, buf, n, 0)) == n
+        del buf
+        if not ok:
             self.clear()
             raise EesdError("llama.cpp could not restore a saved KV state")
         self.tokens[:] = list(tokens)

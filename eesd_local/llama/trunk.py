@@ -360,16 +360,20 @@ class SplitTarget:
         self.tail.clear()
         self.trunk.clear()
 
-    def save_state(self) -> bytes:
+    def save_state(self) -> bytearray:
         """Both contexts' KV states (the trunk's first, its length ahead of it), for :meth:`restore_state`:
         the prompt cache keeps a split target's idle prompts as it keeps a whole target's."""
         self.trunk.trim(self.tail.n_past)  # drafts past the tail's positions are not part of the prompt
         if self.trunk.tokens != self.tail.tokens:
             raise RuntimeError("the trunk context is out of step with the tail")
         trunk = self.trunk.save_state()
-        return struct.pack("<Q", len(trunk)) + trunk + self.tail.save_state()
+        out = bytearray(struct.pack("<Q", len(trunk)))
+        out += trunk
+        del trunk
+        out += self.tail.save_state()
+        return out
 
-    def restore_state(self, state: bytes, tokens: Sequence[int]) -> None:
+    def restore_state(self, state: bytes | bytearray, tokens: Sequence[int]) -> None:
         """Put back a state :meth:`save_state` gave, which holds ``tokens``; the caches held before are dropped.
         The trunk's h_N rows are not part of it: the next decode computes the rows it feeds the tail."""
         (n,) = struct.unpack_from("<Q", state)
@@ -377,11 +381,13 @@ class SplitTarget:
             raise EesdError("a saved split-target state is damaged")
         view = memoryview(state)
         try:
-            self.trunk.restore_state(view[8 : 8 + n], tokens)  # type: ignore[arg-type]
-            self.tail.restore_state(view[8 + n :], tokens)  # type: ignore[arg-type]
+            self.trunk.restore_state(view[8 : 8 + n], tokens)
+            self.tail.restore_state(view[8 + n :], tokens)
         except BaseException:
             self.clear()
             raise
+        finally:
+            view.release()
 
     def decode(self, tokens, *, n_logits: int = 1, stop=None) -> int:
         """The trunk's rows, then the tail's; ``stop`` is not asked (a split target decodes a prompt whole)."""

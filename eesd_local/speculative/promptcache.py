@@ -30,13 +30,13 @@ class PromptCache:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self._states: OrderedDict[tuple[int, ...], bytes] = OrderedDict()
+        self._states: OrderedDict[tuple[int, ...], bytes | bytearray] = OrderedDict()
         self.bytes = 0
 
     def __len__(self) -> int:
         return len(self._states)
 
-    def put(self, tokens: Sequence[int], state: bytes) -> None:
+    def put(self, tokens: Sequence[int], state: bytes | bytearray) -> None:
         """Keep ``state`` (holding ``tokens``); states it makes redundant (a prefix of it) go."""
         key = tuple(tokens)
         if len(state) > self.limit:
@@ -49,7 +49,7 @@ class PromptCache:
             _, old = self._states.popitem(last=False)
             self.bytes -= len(old)
 
-    def best(self, prompt: Sequence[int]) -> tuple[tuple[int, ...], bytes, int] | None:
+    def best(self, prompt: Sequence[int]) -> tuple[tuple[int, ...], bytes | bytearray, int] | None:
         """The saved state that shares the longest prefix with ``prompt``: (its tokens, the state, how many
         tokens they share), marked as just used; None when none shares any."""
         found, shared = None, 0
