@@ -413,6 +413,19 @@ class EngineWorker:
                 with self._lock:
                     self._running = False
                 job.post(_END)
+            self._idle()
+
+    def _idle(self) -> None:
+        """The response has gone: with no request waiting, keep the prompt the engine holds in RAM now, off
+        the next request's path (a request for another conversation would else copy it first)."""
+        if self._waiting or self._closing:
+            return
+        try:
+            self.engine.keep_prompt()
+        except EesdError:  # the engine closed meanwhile
+            pass
+        except Exception:  # a bug: say so, keep serving
+            traceback.print_exc(file=sys.stderr)
 
     def _serve(self, job: Job) -> None:
         if self._closing:

@@ -12,8 +12,10 @@ import textwrap
 import numpy as np
 import pytest
 
+import eesd_local
 from eesd_local.base.errors import EesdError
-from eesd_local.speculative.controllers import CONTROLLER_CHOICES, DEFAULT_CONTROLLER, make_controller
+from eesd_local.gguf.tiny import write_tiny_gguf
+from eesd_local.speculative.controllers import CONTROLLER_CHOICES, CPU_DRAFT_MARGIN, DEFAULT_CONTROLLER, make_controller
 from eesd_local.speculative.controllers import layout as L
 from eesd_local.tools.simulate_sources import SOURCE_PROCESSES, run
 from eesd_local.tools.simulator import PROFILES, decision_cost, decision_trace
@@ -321,13 +323,16 @@ def test_a_model_far_behind_is_not_probed_as_if_catching_up_were_free():
     assert priced <= 5, f"a model 400 tokens behind at 5 ms a token was picked {priced} times in 400 rounds"
 
 
-def _break_even(spec: str, *, accept: float, seed: int, rounds: int = 600, hidden: float = 0.05) -> tuple[float, int]:
+def _break_even(spec: str, *, accept: float, seed: int, rounds: int = 600, hidden: float = 0.05,
+                margin: float = 0.0) -> tuple[float, int]:
     """One model source on a CPU where a batch of two costs 1.07 tokens and a draft 0.27 of a token:
     (throughput over plain decoding's, rounds that drafted). A drafting round also costs ``hidden`` more
     than its draft and verify, unseen by the controller (what a plan leaves out: on a real CPU the draft's
     weights evict the target's from the caches). At acceptance 0.36 one drafted token gives 1.36 tokens
     for 1.34 by the plan, 1.5% over plain decoding, and so 3.5% under it with the hidden cost."""
     ctrl = make_controller(spec, seed=seed)
+    if margin:
+        ctrl.raise_margin(margin)
     rng = np.random.default_rng(seed)
     t = 0.02
     tokens = seconds = 0.0
@@ -362,6 +367,21 @@ def test_a_plan_at_break_even_drafts_less():
     assert sum(r for r, _ in margin) > sum(r for r, _ in none), (margin, none)
     pays = [_break_even("cost-ts", accept=0.6, seed=s) for s in seeds]
     assert all(n >= 500 and r >= 1.08 for r, n in pays), pays
+
+
+def test_on_the_cpu_the_margin_is_raised_and_a_plan_near_it_drafts_less():
+    """Where the target runs on the CPU the engine raises cost-ts's margin to CPU_DRAFT_MARGIN (10%): a plan
+    6% over plain decoding by its own sums (acceptance 0.42), which the hidden cost turns into a loss, then
+    drafts in half as many rounds or fewer; a plan well over it drafts as before. A controller without a
+    margin keeps none."""
+    seeds = (1, 2, 3, 4)
+    base = [_break_even("cost-ts", accept=0.42, seed=s, hidden=0.08) for s in seeds]
+    cpu = [_break_even("cost-ts", accept=0.42, seed=s, hidden=0.08, margin=CPU_DRAFT_MARGIN) for s in seeds]
+    assert sum(n for _, n in cpu) <= 0.6 * sum(n for _, n in base), (cpu, base)
+    pays = [_break_even("cost-ts", accept=0.65, seed=s, margin=CPU_DRAFT_MARGIN) for s in seeds]
+    assert all(n >= 500 and r >= 1.08 for r, n in pays), pays
+    assert not make_controller("cost-ts:no-margin").raise_margin(CPU_DRAFT_MARGIN)
+    assert make_controller("cost-ts").raise_margin(CPU_DRAFT_MARGIN)
 
 
 def test_a_model_source_resumes_after_another_source_drafted_for_a_while():
@@ -442,3 +462,20 @@ def test_fields_by_name_are_the_kernels_fields():
     assert list(f["chance"]) == list(s[L.at(L.TS.chance, k) : L.at(L.TS.gate_chance, k)])
     f["eps"] = 0.25  # a view: writing a field writes the state
     assert s[L.TS.eps] == 0.25
+
+
+def test_the_engine_raises_the_margin_where_the_target_runs_on_the_cpu(tmp_path):
+    """An engine on the CPU gives its cost-ts controller CPU_DRAFT_MARGIN, every source's state (auto's
+    choosing controller as well); a controller without a margin and one passed in as an object keep theirs."""
+    tiny = str(write_tiny_gguf(tmp_path / "tiny.gguf", seed=3))
+
+    def margins(ctl) -> list[float]:
+        return [float(L.fields(st)["margin"]) for st in ctl._thompson_states()]
+
+    with eesd_local.load(tiny, drafter="lookup", n_ctx=256) as eng:
+        assert margins(eng.controller) == [CPU_DRAFT_MARGIN] * len(margins(eng.controller)) != []
+        eng.set_controller("cost-ts:no-margin")
+        assert margins(eng.controller) and set(margins(eng.controller)) == {0.0}
+    own = make_controller("cost-ts")
+    with eesd_local.load(tiny, drafter="lookup", n_ctx=256, controller=own) as eng:
+        assert eng.controller is own and set(margins(own)) == {0.05}

@@ -14,7 +14,7 @@ import pytest
 import eesd_local
 from eesd_local.gguf.tiny import write_tiny_gguf
 from eesd_local.speculative.events import TokenEvent
-from eesd_local.speculative.promptcache import RESTORE_MIN_TOKENS
+from eesd_local.speculative.promptcache import RESTORE_MIN_TOKENS, SLACK, PromptCache
 
 from .conftest import QWEN05
 
@@ -174,3 +174,69 @@ def test_a_prefill_cancelled_between_chunks_keeps_only_whole_chunks_and_changes_
         assert kept == eng.ctx.n_batch and eng.ctx.tokens == prompt[:kept]
         got, cached = _answer(eng, prompt, 8)
         assert got == want and cached == kept
+
+
+class _FakeCtx:
+    """A context whose KV state is ``size`` bytes of one value (what the prompt cache copies)."""
+
+    def __init__(self, size: int, fill: int) -> None:
+        self.size, self.fill = size, fill
+
+    def state_size(self) -> int:
+        return self.size
+
+    def save_state_into(self, out) -> None:
+        assert len(out) == self.size
+        out[:] = bytes([self.fill]) * self.size
+
+
+def test_the_prompt_cache_reuses_its_buffers_within_its_bound():
+    """A state saved again as its conversation grows goes into the buffer of the turn before (its pages mapped
+    already: fresh pages are what a save costs); states that go leave their buffers for the next save; the
+    buffers kept and free stay within the bound, least recently used states out first."""
+    cache = PromptCache(10_000)
+    a1, a2, a3 = list(range(50)), list(range(80)), list(range(120))
+    assert cache.save(a1, _FakeCtx(1000, 1))
+    buf = cache._states[tuple(a1)][1]
+    assert len(buf) == int(1000 * SLACK) and cache.bytes == len(buf)
+    assert cache.save(a2, _FakeCtx(1200, 2))  # the next turn: a1 is its prefix, a2 takes a1's buffer
+    assert tuple(a1) not in cache and a2 in cache and cache._states[tuple(a2)][1] is buf
+    key, state, shared = cache.best(a2 + [7])
+    assert key == tuple(a2) and shared == len(a2) and bytes(state) == bytes([2]) * 1200
+    assert cache.save(a3, _FakeCtx(2000, 3))  # too big for a2's buffer: a new one; a2's is kept free
+    assert cache._free == [buf] and cache.bytes == len(buf) + int(2000 * SLACK)
+    b = [900 + i for i in range(30)]
+    assert cache.save(b, _FakeCtx(1100, 4))  # another conversation fits the free buffer
+    assert cache._states[tuple(b)][1] is buf and not cache._free
+    assert bytes(cache.best(b)[1]) == bytes([4]) * 1100 and bytes(cache.best(a3)[1]) == bytes([3]) * 2000
+    for i in range(6):  # more conversations than the bound holds: the least recently used go
+        assert cache.save([2000 + 100 * i + j for j in range(20)], _FakeCtx(2500, 10 + i))
+        assert cache.bytes <= cache.limit
+    assert tuple(b) not in cache and len(cache) == 3
+    assert not cache.save([5] * 20, _FakeCtx(20_000, 9))  # a state over the bound is not kept
+    assert cache.bytes <= cache.limit
+
+
+def test_the_engine_keeps_its_prompt_ahead_of_the_next_conversation(tiny):
+    """keep_prompt() (the server calls it when a response has gone and no request waits) saves what the cache
+    holds, once; a request for another conversation then does not copy it again, and a request that comes back
+    to it is restored from RAM and answers as a fresh process does."""
+    first = [(10 + 3 * i) % 500 for i in range(150)]
+    other = [(200 + 7 * i) % 500 for i in range(120)]
+    with eesd_local.load(tiny, drafter="none", n_ctx=1024) as eng:
+        want = []
+        for p in (first, other, first + [11, 12]):
+            eng.ctx.clear()  # nothing cached: a fresh process's answer
+            want.append(_answer(eng, p, 8)[0])
+    with eesd_local.load(tiny, drafter="none", n_ctx=1024) as eng:
+        assert not eng.keep_prompt()  # nothing held yet
+        assert _answer(eng, first, 8)[0] == want[0]
+        assert eng.keep_prompt() and not eng.keep_prompt()  # saved once
+        saves = []
+        orig = eng.ctx.save_state_into
+        eng.ctx.save_state_into = lambda out: (saves.append(len(out)), orig(out))[1]
+        assert _answer(eng, other, 8)[0] == want[1]
+        assert saves == [], "the conversation kept ahead was copied again"
+        got, cached = _answer(eng, first + [11, 12], 8)
+        assert got == want[2] and cached >= len(first), cached
+        assert saves, "the second conversation was not kept when the first came back"

@@ -345,6 +345,30 @@ def test_metrics_parse_as_prometheus_text(server):
     assert ("eesd_requests_total", (("code", "200"), ("endpoint", "/v1/completions"))) in m
 
 
+def test_an_idle_server_keeps_its_last_conversation_in_ram(qwen05_path, tmp_path_factory):
+    """When a response has gone and no request waits, the server saves the conversation the engine holds into
+    the RAM prompt cache (off every request's path: a request for another conversation would else copy it
+    first); the next request for another conversation leaves it there, and a request that comes back to it
+    is served from RAM."""
+    def states(s: Server) -> float:
+        deadline = time.monotonic() + 20
+        while True:
+            n = s.metrics()[("eesd_prompt_cache_states", ())]
+            if n or time.monotonic() > deadline:
+                return n
+            time.sleep(0.1)
+
+    first = "# Helpers that parse the dates and times written in a web server's access logs.\n" + PROMPTS[0]
+    other = "# A stack and a queue, each with push, pop and peek, for the scheduler's tests.\n" + PROMPTS[3]
+    with _serve(tmp_path_factory) as s:
+        assert s.metrics()[("eesd_prompt_cache_states", ())] == 0
+        assert _complete(s.url, first).status_code == 200
+        assert states(s) == 1, "the idle server kept nothing"
+        assert _complete(s.url, other).status_code == 200
+        again = _complete(s.url, first + "\n    pass\n").json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16
+
+
 def test_the_prompt_cache_holds_its_bound_under_concurrent_conversations(qwen05_path, tmp_path_factory):
     """Six conversations at once, each coming back for a second turn, on a server with 4 MB of prompt cache
     (a state of one of these conversations is about 1.5 MB): states are kept, restored and evicted, the

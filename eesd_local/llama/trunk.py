@@ -42,6 +42,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -360,20 +361,33 @@ class SplitTarget:
         self.tail.clear()
         self.trunk.clear()
 
-    def save_state(self) -> bytearray:
-        """Both contexts' KV states (the trunk's first, its length ahead of it), for :meth:`restore_state`:
-        the prompt cache keeps a split target's idle prompts as it keeps a whole target's."""
+    def state_size(self) -> int:
+        """Bytes of :meth:`save_state_into`'s state (the drafts past the tail's positions dropped first)."""
         self.trunk.trim(self.tail.n_past)  # drafts past the tail's positions are not part of the prompt
         if self.trunk.tokens != self.tail.tokens:
             raise RuntimeError("the trunk context is out of step with the tail")
-        trunk = self.trunk.save_state()
-        out = bytearray(struct.pack("<Q", len(trunk)))
-        out += trunk
-        del trunk
-        out += self.tail.save_state()
+        return 8 + self.trunk.state_size() + self.tail.state_size()
+
+    def save_state_into(self, out: Any) -> None:
+        """Both contexts' KV states into ``out`` (exactly :meth:`state_size` bytes, after it): the trunk's
+        first, its length ahead of it, then the tail's; one buffer, each state written in place."""
+        view = memoryview(out).cast("B")
+        try:
+            n = self.trunk.state_size()
+            struct.pack_into("<Q", view, 0, n)
+            self.trunk.save_state_into(view[8 : 8 + n])
+            self.tail.save_state_into(view[8 + n :])
+        finally:
+            view.release()
+
+    def save_state(self, alloc: Callable[[int], Any] = bytearray) -> Any:
+        """Both contexts' KV states in one buffer ``alloc(size)``, for :meth:`restore_state`: the prompt
+        cache keeps a split target's idle prompts as it keeps a whole target's."""
+        out = alloc(self.state_size())
+        self.save_state_into(out)
         return out
 
-    def restore_state(self, state: bytes | bytearray, tokens: Sequence[int]) -> None:
+    def restore_state(self, state: bytes | bytearray | memoryview, tokens: Sequence[int]) -> None:
         """Put back a state :meth:`save_state` gave, which holds ``tokens``; the caches held before are dropped.
         The trunk's h_N rows are not part of it: the next decode computes the rows it feeds the tail."""
         (n,) = struct.unpack_from("<Q", state)

@@ -49,7 +49,7 @@ from eesd_local.llama.rpc import parse_endpoints
 from eesd_local.llama.runtime import Context, ContextParams, Detokenizer, Model, common_prefix, exactness
 from eesd_local.llama.trunk import open_split
 from eesd_local.speculative import chat as chat_mod
-from eesd_local.speculative.controllers import DEFAULT_CONTROLLER, make_controller
+from eesd_local.speculative.controllers import CPU_DRAFT_MARGIN, DEFAULT_CONTROLLER, make_controller
 from eesd_local.speculative.controllers import Controller as StateController
 from eesd_local.speculative.drafters import DRAFTERS, make_drafter, n_sources, placement, shared_trunk_plan
 from eesd_local.speculative.drafters.base import Drafter, NoDrafter
@@ -364,8 +364,8 @@ class Engine:
         saved = self.prompt_cache
         if saved is not None:
             found = saved.best(prompt)
-            if ctx.n_past - keep >= SAVE_MIN_TOKENS:  # another conversation: keep this one's state for its next turn
-                saved.put(ctx.tokens, ctx.save_state())
+            if ctx.n_past - keep >= SAVE_MIN_TOKENS and ctx.tokens not in saved:
+                saved.save(ctx.tokens, ctx)  # another conversation: keep this one's state for its next turn
             if found is not None and min(found[2], len(prompt) - 1) >= keep + RESTORE_MIN_TOKENS:
                 ctx.restore_state(found[1], found[0])
                 keep = min(found[2], len(prompt) - 1)
@@ -375,6 +375,17 @@ class Engine:
             # any cached prefix (with the batch-invariant kernels, as a fresh prefill computes them)
             raise _PrefillCancelled
         return len(prompt) - keep
+
+    def keep_prompt(self) -> bool:
+        """Save what the target's cache holds into the RAM prompt cache now, if it is not kept already (the
+        server calls this when a response has gone and no request waits: the copy is then off every
+        request's path, and a request for another conversation finds this one saved). True when saved."""
+        with self._lock:
+            self._check_open()
+            saved, ctx = self.prompt_cache, self.ctx
+            if saved is None or self._gen is not None or ctx.n_past < SAVE_MIN_TOKENS or ctx.tokens in saved:
+                return False
+            return saved.save(ctx.tokens, ctx)
 
     def _pick(self, logits: np.ndarray, params: SamplingParams, rng: TokenRNG) -> int:
         tok, rng.state = native.require().pick(logits, params.temperature, params.top_k, params.top_p, rng.state)
@@ -420,10 +431,13 @@ class Engine:
 
     def _new_controller(self, spec: Any, sources: int) -> Controller:
         """A controller for ``spec``; a fresh one knows this machine's batch costs from the kept cost
-        profile (:meth:`Controller.prime_costs`) where one is kept for this model and placement."""
+        profile (:meth:`Controller.prime_costs`) where one is kept for this model and placement, and drafts
+        only where a plan beats plain decoding by CPU_DRAFT_MARGIN where the target runs on the CPU."""
         ctl = _make_controller(spec, self.config.draft_max, self.config.seed, sources, self.config.model_draft_max)
         if not self.drafter.drafts or not isinstance(ctl, StateController) or ctl is spec:
             return ctl
+        if self.config.n_gpu_layers == 0 and not self.config.rpc:
+            ctl.raise_margin(CPU_DRAFT_MARGIN)
         try:
             prof, _ = costs.cached(costs.fingerprint(self.model_path, **placement(self.config)))
         except OSError:  # an unreadable cache: the rounds time the batches themselves

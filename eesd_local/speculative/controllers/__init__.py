@@ -35,6 +35,7 @@ from eesd_local.speculative.controllers.kernels import (
 from eesd_local.speculative.controllers.rng import seed_words
 from eesd_local.speculative.controllers.thompson import (
     BIN_PRIOR,
+    CPU_DRAFT_MARGIN,
     DRAFT_MARGIN,
     POS_PRIOR,
     PROFILE_COSTS,
@@ -127,6 +128,18 @@ class Controller:
             refresh_verify_estimates(st)
             primed = True
         return primed
+
+    def raise_margin(self, margin: float) -> bool:
+        """Draft only where a plan beats plain decoding by at least ``margin`` (the engine's CPU_DRAFT_MARGIN
+        where the target runs on the CPU); a controller without a margin (``cost-ts:no-margin``, Beta-TS,
+        the baselines) keeps none. Returns whether any state took it."""
+        raised = False
+        for st in self._thompson_states():
+            f = L.fields(st)
+            if 0.0 < f["margin"] < margin:
+                f["margin"] = margin
+                raised = True
+        return raised
 
     def begin_round(self, offer: int = 0, confidence: float = 0.0, behind: int = 0, match: int = 0) -> None:
         """A round starts. What the loop knows before it: ``offer`` free proposals (prompt lookup's
@@ -354,6 +367,7 @@ def make_controller(spec: str, *, max_draft: int = MODEL_DRAFT_MAX, seed: int = 
 
 __all__ = [
     "CONTROLLER_CHOICES",
+    "CPU_DRAFT_MARGIN",
     "DEFAULT_CONTROLLER",
     "Controller",
     "make_controller",

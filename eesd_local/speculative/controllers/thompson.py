@@ -37,7 +37,13 @@ and a probe with its bonus token is priced against that hurdle; the gate keeps i
 so probes reopen it as fast as before. C_k leaves out what a drafting round does to the rounds
 around it (the draft's weights evict the target's from the caches): on a CPU where a batch of two
 costs little more than one token, plans at break-even drafted on chat with the exit head and lost
-up to 8% to plain decoding (BENCHMARKS.md). ``cost-ts:no-margin`` drafts at break-even, for comparison.
+up to 8% to plain decoding (BENCHMARKS.md). Where the target runs on the CPU the engine raises the
+margin to CPU_DRAFT_MARGIN (Controller.raise_margin): the draft's work shares the target's cores and
+caches there, and with 5% the 1.5B's exit head on the shared trunk still drafted on chat at 36-49%
+accepted and ran 0.97-0.99 of plain decoding on four of seven chat kinds; with 10% 0.99-1.13 on all
+seven, the 0.5B's rounds unchanged (its free offers clear either hurdle). On a GPU (the simulator's
+profiles) 10% starved a draft model worth 15-20% (prose, 0.1 of a token: 1.00 on one seed).
+``cost-ts:no-margin`` drafts at break-even, for comparison.
 
 Catching up (a draft model that did not draft for a while: copy-mode EESD, a draft model, auto's
 model source). Its catch-up is paid once and serves the whole stretch of rounds it then drafts, so
@@ -119,6 +125,7 @@ REQUEST_MATCH = 4  # in hindsight: offers at matches of this many tokens and mor
 REQUEST_MATCH_PRIOR = 4.0  # its prior strength in observations ("as the classes predict")
 PROFILE_COSTS = 2.0  # batch_costs: per size, B(b) fixed from the kept cost profile (Controller.prime_costs)
 DRAFT_MARGIN = 0.05  # cost-ts: a round drafts only if its plan beats plain decoding's rate by this share (the margin field)
+CPU_DRAFT_MARGIN = 0.10  # ... and this where the target runs on the CPU (the engine: Controller.raise_margin)
 
 
 @kernel
