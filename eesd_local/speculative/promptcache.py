@@ -59,34 +59,39 @@ class PromptCache:
         else:
             self.bytes -= len(state)
 
+    def _drop_prefixes(self, key: tuple[int, ...]) -> None:
+        """The states that ``key``'s makes redundant (a prefix of it, itself included) go."""
+        for other in [k for k in self._states if k == key[: len(k)]]:
+            self._drop(other)
+
+    def _make_room(self, extra: int) -> None:
+        """Free buffers go, then the least recently used states, until ``extra`` more bytes fit the bound."""
+        while self.bytes + extra > self.limit and (self._free or self._states):
+            if self._free:
+                self.bytes -= len(self._free.pop(0))
+            else:
+                self._drop(next(iter(self._states)))
+
     def _buffer(self, size: int) -> Any:
-        """A writable buffer of exactly ``size`` bytes: a free buffer's that fits (not one more than twice as
+        """A writable buffer of at least ``size`` bytes: a free buffer that fits (not one more than twice as
         big), else a new one with SLACK room; None when even the state alone passes the bound."""
         fits = [b for b in self._free if size <= len(b) <= 2 * size]
         if fits:
             buf = min(fits, key=len)
             self._free.remove(buf)
-        else:
-            cap = min(max(size, int(size * SLACK)), self.limit)
-            if cap < size:
-                return None
-            # room first: free buffers, then the least recently used states
-            while self._free and self.bytes + cap > self.limit:
-                self.bytes -= len(self._free.pop(0))
-            while self._states and self.bytes + cap > self.limit:
-                self._drop(next(iter(self._states)))
-                while self._free and self.bytes + cap > self.limit:
-                    self.bytes -= len(self._free.pop(0))
-            buf = bytearray(cap)
-            self.bytes += cap
-        return buf
+            return buf
+        cap = min(max(size, int(size * SLACK)), self.limit)
+        if cap < size:
+            return None
+        self._make_room(cap)
+        self.bytes += cap
+        return bytearray(cap)
 
     def save(self, tokens: Sequence[int], ctx: Any) -> bool:
         """Save ``ctx``'s KV state (holding ``tokens``) into a kept or new buffer; states it makes redundant
         (a prefix of it) go first, their buffers free for it. False when the state alone passes the bound."""
         key = tuple(tokens)
-        for other in [k for k in self._states if k == key[: len(k)]]:
-            self._drop(other)
+        self._drop_prefixes(key)
         size = ctx.state_size()
         buf = self._buffer(size)
         if buf is None:
@@ -106,16 +111,10 @@ class PromptCache:
         key = tuple(tokens)
         if len(state) > self.limit:
             return
-        for other in [k for k in self._states if k == key[: len(k)]]:
-            self._drop(other)
+        self._drop_prefixes(key)
+        self._make_room(len(state))
         self._states[key] = (state, None)  # not a buffer of ours: counted, never reused
         self.bytes += len(state)
-        while self._free and self.bytes > self.limit:
-            self.bytes -= len(self._free.pop(0))
-        while self.bytes > self.limit:
-            self._drop(next(iter(self._states)))
-            while self._free and self.bytes > self.limit:
-                self.bytes -= len(self._free.pop(0))
 
     def best(self, prompt: Sequence[int]) -> tuple[tuple[int, ...], Any, int] | None:
         """The saved state that shares the longest prefix with ``prompt``: (its tokens, the state, how many
