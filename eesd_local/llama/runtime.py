@@ -431,10 +431,10 @@ class Context:
         if got != size:
             raise EesdError(f"llama.cpp saved {got} of {size} bytes of a KV state")
 
-    def save_state(self, alloc: Callable[[int], Any] = bytearray) -> Any:
+    def save_state(self) -> bytearray:
         """Sequence 0's KV state (what :meth:`restore_state` takes back), as llama.cpp serialises it: written
-        straight into the buffer ``alloc(size)`` returns (tens of MB for a long prompt: no second copy)."""
-        out = alloc(self.state_size())
+        straight into the bytearray returned (tens of MB for a long prompt: no second copy)."""
+        out = bytearray(self.state_size())
         self.save_state_into(out)
         return out
 

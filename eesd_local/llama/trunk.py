@@ -380,10 +380,10 @@ class SplitTarget:
         finally:
             view.release()
 
-    def save_state(self, alloc: Callable[[int], Any] = bytearray) -> Any:
-        """Both contexts' KV states in one buffer ``alloc(size)``, for :meth:`restore_state`: the prompt
+    def save_state(self) -> bytearray:
+        """Both contexts' KV states in one bytearray, for :meth:`restore_state`: the prompt
         cache keeps a split target's idle prompts as it keeps a whole target's."""
-        out = alloc(self.state_size())
+        out = bytearray(self.state_size())
         self.save_state_into(out)
         return out
 

@@ -41,7 +41,7 @@ class PromptCache:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self._states: OrderedDict[tuple[int, ...], tuple[Any, bytearray | None]] = OrderedDict()  # (state, its buffer)
+        self._states: OrderedDict[tuple[int, ...], tuple[memoryview, bytearray]] = OrderedDict()  # (state, its buffer)
         self._free: list[bytearray] = []  # buffers of states gone, for the next save
         self.bytes = 0
 
@@ -52,12 +52,8 @@ class PromptCache:
         return tuple(tokens) in self._states
 
     def _drop(self, key: tuple[int, ...]) -> None:
-        """The state of ``key`` goes; its buffer (if it is one of ours) waits for the next save."""
-        state, buf = self._states.pop(key)
-        if buf is not None:
-            self._free.append(buf)
-        else:
-            self.bytes -= len(state)
+        """The state of ``key`` goes; its buffer waits for the next save."""
+        self._free.append(self._states.pop(key)[1])
 
     def _drop_prefixes(self, key: tuple[int, ...]) -> None:
         """The states that ``key``'s makes redundant (a prefix of it, itself included) go."""
@@ -72,7 +68,7 @@ class PromptCache:
             else:
                 self._drop(next(iter(self._states)))
 
-    def _buffer(self, size: int) -> Any:
+    def _buffer(self, size: int) -> bytearray | None:
         """A writable buffer of at least ``size`` bytes: a free buffer that fits (not one more than twice as
         big), else a new one with SLACK room; None when even the state alone passes the bound."""
         fits = [b for b in self._free if size <= len(b) <= 2 * size]
@@ -106,17 +102,7 @@ class PromptCache:
         self._states[key] = (view, buf)
         return True
 
-    def put(self, tokens: Sequence[int], state: bytes | bytearray) -> None:
-        """Keep ``state`` (holding ``tokens``), saved elsewhere; states it makes redundant (a prefix of it) go."""
-        key = tuple(tokens)
-        if len(state) > self.limit:
-            return
-        self._drop_prefixes(key)
-        self._make_room(len(state))
-        self._states[key] = (state, None)  # not a buffer of ours: counted, never reused
-        self.bytes += len(state)
-
-    def best(self, prompt: Sequence[int]) -> tuple[tuple[int, ...], Any, int] | None:
+    def best(self, prompt: Sequence[int]) -> tuple[tuple[int, ...], memoryview, int] | None:
         """The saved state that shares the longest prefix with ``prompt``: (its tokens, the state, how many
         tokens they share), marked as just used; None when none shares any."""
         found, shared = None, 0
