@@ -19,7 +19,7 @@ from typing import Any
 from eesd_local.base.defaults import MAX_TOKENS, SEED, TEMPERATURE, TOP_K, TOP_P
 from eesd_local.base.params import ParamError, check_sampling, show
 from eesd_local.speculative.engine import Engine, EngineConfig
-from eesd_local.speculative.events import FinishEvent, TokenEvent
+from eesd_local.speculative.events import FinishEvent, RoundEvent, TokenEvent
 from eesd_local.speculative.rounds import PREDICTION
 from eesd_local.tools.prepare import prepare
 
@@ -156,7 +156,8 @@ def completion(engine: Engine, prompt: Any, *, chat: bool, max_tokens: int = MAX
 
 def _stream(events: Iterator[Any], ident: str, created: int, model: str, obj: str, chat: bool,
             stops: list[str], note: str | None = None, predicted: bool = False) -> Iterator[dict[str, Any]]:
-    """Chunks as text arrives; text that could start a stop string is held back until it cannot."""
+    """Chunks as text arrives, one per round (the tokens a round emits arrive together); text that could
+    start a stop string is held back until it cannot."""
     sent = ""
     full = ""
     hold = max((len(s) for s in stops), default=1) - 1
@@ -174,10 +175,17 @@ def _stream(events: Iterator[Any], ident: str, created: int, model: str, obj: st
     if chat:
         yield {"id": ident, "object": "chat.completion.chunk", "created": created, "model": model,
                "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
+    left = 1  # tokens still to come from the current round (the first token comes alone)
     try:
         for ev in events:
-            if isinstance(ev, TokenEvent):
+            if isinstance(ev, RoundEvent):
+                left = ev.emitted
+            elif isinstance(ev, TokenEvent):
                 full += ev.text
+                left -= 1
+                if left > 0:  # more of this round's tokens follow at once: one chunk for them all (a round
+                    # of 30 accepted drafts is one event for the client, not 30 hops through the server)
+                    continue
                 visible, cut = _cut_stop(full, stops)
                 safe = len(visible) if cut else max(len(sent), len(visible) - hold)
                 if safe > len(sent):
