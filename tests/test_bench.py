@@ -3,7 +3,9 @@ CLI (JSON keys, losslessness, plots), mismatch certification, and Ctrl-C."""
 
 from __future__ import annotations
 
+import http.server
 import json
+import threading
 
 import pytest
 
@@ -342,3 +344,41 @@ def test_no_method_keeps_its_place_or_its_neighbour_from_pass_to_pass():
         assert len(after_none) > 1, (k, orders)
     firsts = {runner.run_order(methods, rep, k)[0] for rep in range(3) for k in range(12)}
     assert firsts == set(methods)
+
+
+def _sse_server(chunks: list[dict]) -> tuple[object, str]:
+    """A local server that answers any POST with ``chunks`` as server-sent events, then [DONE]."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for c in chunks:
+                self.wfile.write(b"data: " + json.dumps(c).encode() + b"\n\n")
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
+
+
+def test_answers_are_counted_alike_for_every_server():
+    """llama-server's usage counts the end-of-generation token that ended the answer (14 for a 13-token
+    answer), eesd serve's does not: the end-to-end rates count the answer's own tokens for both, else
+    llama-server gains 1/n on every answer that ends before max_tokens."""
+    words = [{"choices": [{"index": 0, "text": w, "finish_reason": None}]} for w in ("I'm", " sorry", ".")]
+    ended = {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}], "usage": {"completion_tokens": 4}}
+    httpd, url = _sse_server([*words, ended])
+    try:
+        text, first, chunks, usage, finish = servers._post_stream(url + "/v1/completions", {"prompt": [1]})
+    finally:
+        httpd.shutdown()
+    assert (text, chunks, usage, finish) == ("I'm sorry.", 3, 4, "stop") and first > 0
+    assert servers.answer_tokens("llama-server", usage, chunks, finish) == 3
+    assert servers.answer_tokens("eesd", 3, 1, "stop") == 3  # ours counts the text's tokens; one chunk a round
+    assert servers.answer_tokens("llama-server", 128, 128, "length") == 128  # cut at max_tokens: no such token
+    assert servers.answer_tokens("llama-server", None, 7, "stop") == 7  # no usage: one chunk a token

@@ -136,14 +136,16 @@ def _post(url: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S) ->
         raise PeerFailed(f"no answer: {getattr(exc, 'reason', exc)}") from None
 
 
-def _post_stream(url: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S) -> tuple[str, float, int, int | None]:
+def _post_stream(url: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S) -> tuple[str, float, int, int | None, str]:
     """An OpenAI-style streamed completion: (text, seconds to the first chunk that carries text, chunks that
-    carried text, completion tokens from the final usage chunk or None where the server sends none)."""
+    carried text, completion tokens from the final usage chunk or None where the server sends none, the
+    finish reason)."""
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
     parts: list[str] = []
     first = 0.0
     usage = None
+    finish = ""
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             for raw in resp:
@@ -157,6 +159,7 @@ def _post_stream(url: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOU
                 if obj.get("usage"):
                     usage = int(obj["usage"].get("completion_tokens") or 0) or None
                 for ch in obj.get("choices") or []:
+                    finish = ch.get("finish_reason") or finish
                     piece = ch.get("text") or ""
                     if piece:
                         if not parts:
@@ -167,7 +170,20 @@ def _post_stream(url: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOU
         raise PeerFailed(f"answered HTTP {exc.code}: {detail}") from None
     except (urllib.error.URLError, OSError, TimeoutError, json.JSONDecodeError) as exc:
         raise PeerFailed(f"no answer: {getattr(exc, 'reason', exc)}") from None
-    return "".join(parts), first, len(parts), usage
+    return "".join(parts), first, len(parts), usage, finish
+
+
+def answer_tokens(server: str, usage: int | None, chunks: int, finish: str) -> int:
+    """The tokens of a streamed answer's text, counted alike for every server. llama-server's
+    ``completion_tokens`` counts the end-of-generation token that ended an answer (14 for a 13-token answer;
+    the bench sends no stop strings, so its finish "stop" is that token), ``eesd serve``'s does not: counted
+    as sent, llama-server's end-to-end rate would gain 1/n on every answer shorter than max_tokens (8% on a
+    13-token chat answer). Without usage, llama-server's chunks (one a token)."""
+    if usage is None:
+        return chunks
+    if server == "llama-server" and finish == "stop" and usage > 1:
+        return usage - 1
+    return usage
 
 
 class ServerProcess:
@@ -210,7 +226,7 @@ class ServerProcess:
     def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         return self._call(_post, path, body)
 
-    def post_stream(self, path: str, body: dict[str, Any]) -> tuple[str, float, int, int | None]:
+    def post_stream(self, path: str, body: dict[str, Any]) -> tuple[str, float, int, int | None, str]:
         return self._call(_post_stream, path, body)
 
     def _call(self, send: Callable[[str, dict[str, Any]], _T], path: str, body: dict[str, Any]) -> _T:
@@ -391,9 +407,9 @@ class HttpPeer(_ServerPeer):
         if s.seed is not None:
             body["seed"] = s.seed
         t0 = time.perf_counter()
-        text, first, chunks, usage = self.server.post_stream("/v1/completions", body)
+        text, first, chunks, usage, finish = self.server.post_stream("/v1/completions", body)
         wall = time.perf_counter() - t0
-        n = usage if usage is not None else chunks  # llama-server streams one token a chunk
+        n = answer_tokens(self.spec.http_server, usage, chunks, finish)
         # end to end: every token over the whole request (prompt included), as a client waits for it
         return Turn([], text, first, wall * (n - 1) / n if n > 1 else 0.0, count=n)
 
