@@ -346,7 +346,7 @@ def test_no_method_keeps_its_place_or_its_neighbour_from_pass_to_pass():
     assert firsts == set(methods)
 
 
-def _sse_server(chunks: list[dict]) -> tuple[object, str]:
+def _sse_server(chunks: list[dict]) -> tuple[http.server.HTTPServer, str]:
     """A local server that answers any POST with ``chunks`` as server-sent events, then [DONE]."""
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # noqa: N802 (http.server's name)
