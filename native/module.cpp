@@ -144,11 +144,12 @@ PYBIND11_MODULE(_native, m) {
              "Run the lookup drafter's n-gram search with these sizes (0, 0: no lookup).")
         .def(
             "set_slots",
-            [](PyRounds& self, int offer_n, int offer_conf, int behind, int source, int t_catchup, int offer_match) {
-                self.set_slots(eesd::Slots{offer_n, offer_conf, behind, source, t_catchup, offer_match});
+            [](PyRounds& self, int offer_n, int offer_conf, int behind, int source, int t_catchup, int offer_match,
+               int offer_reach) {
+                self.set_slots(eesd::Slots{offer_n, offer_conf, behind, source, t_catchup, offer_match, offer_reach});
             },
             py::arg("offer_n"), py::arg("offer_conf"), py::arg("behind"), py::arg("source"), py::arg("t_catchup"),
-            py::arg("offer_match") = -1,
+            py::arg("offer_match") = -1, py::arg("offer_reach") = -1,
             "Where the controller's state holds the offer, the chosen source and the catch-up seconds (-1: none).")
         .def("set_reference", &PyRounds::set_reference, py::arg("reference"), py::arg("n_prompt"),
              "The request's predicted output: tokens proposed like lookup's while the answer (from history position "

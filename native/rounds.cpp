@@ -52,6 +52,9 @@ void Rounds::one_round(int max_n, RoundOut& r) {
         put(slots_.offer_n, offers ? static_cast<double>(cands_.size()) : 0.0);
         put(slots_.offer_conf, offers && !cands_.empty() ? conf : 0.0);
         put(slots_.offer_match, offers && !cands_.empty() ? static_cast<double>(match_len_) : 0.0);
+        // a prediction is the caller's word that the answer goes on as it does: its offer may draft all of
+        // itself, however short the match since its last realignment (lookup's offers reach as far as they match)
+        put(slots_.offer_reach, offers && predicted ? static_cast<double>(cands_.size()) : 0.0);
         if (hindsight_ && offers && !cands_.empty() && !covered(history_.size(), cands_))
             offers_.push_back(PendingOffer{history_.size(), cands_, match_len_});
         put(slots_.behind, (mode == MODEL || mode == CHOOSE) && dft_.ctx ? behind() : 0.0);

@@ -65,7 +65,7 @@ constexpr int LOOKUP_MIN_MATCH = 4;
 // state slots the loop writes before a round (the offer), reads after begin (source) and writes
 // before update (catch-up seconds); -1: not written (controllers/layout.py)
 struct Slots {
-    int offer_n = -1, offer_conf = -1, behind = -1, source = -1, t_catchup = -1, offer_match = -1;
+    int offer_n = -1, offer_conf = -1, behind = -1, source = -1, t_catchup = -1, offer_match = -1, offer_reach = -1;
 };
 
 // What a drafter written in Python drafted in one round (mode CALL). Its call does the round's

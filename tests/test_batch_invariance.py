@@ -17,6 +17,9 @@ import sys
 
 import pytest
 
+from eesd_local.base.defaults import DRAFT_MAX
+from eesd_local.llama import runtime
+
 pytestmark = pytest.mark.model
 
 KS = (2, 3, 7, 8, 17, 64, 128)
@@ -68,8 +71,20 @@ def _differing_rows(path, extra: bool, env: dict | None = None, n: int = 128) ->
 
 @pytest.mark.parametrize("extra", [False, True], ids=["plain-buffers", "repacked-buffers"])
 @pytest.mark.parametrize("model", ["qwen05_path", "gemma_path"])
-def test_every_batch_size_gives_one_tokens_logits(model, extra, request):
+def test_every_batch_size_gives_one_tokens_logits(model, extra, request, monkeypatch):
     path = request.getfixturevalue(model)
+    if extra and runtime.cpu_has_amx():
+        # here llama.cpp's AMX buffer type takes the repacked weights first: the patch does not cover its kernels,
+        # and its matmul crashes the process on some virtual machines (ggml-org/llama.cpp#20824). The engine keeps
+        # the extra buffers off on such a CPU, and where a user turns them on (EESD_EXTRA_BUFTS=1) it does not
+        # claim exact output
+        monkeypatch.setenv("EESD_EXTRA_BUFTS", "1")
+        exact, why = runtime.exactness(draft_max=DRAFT_MAX)
+        assert not exact and why == runtime.NOT_EXACT["amx"], (exact, why)
+        monkeypatch.delenv("EESD_EXTRA_BUFTS")
+        assert not runtime.extra_bufts_allowed() and runtime.exactness(draft_max=DRAFT_MAX)[0]
+        pytest.skip("AMX CPU: llama.cpp's repacked buffers are its AMX ones here, which the engine leaves off "
+                    "(and says exact: false where they are turned on): checked instead")
     differ = _differing_rows(path, extra)
     assert differ == {str(k): 0 for k in KS}, f"rows that differ from one-token decodes, by batch size: {differ}"
 

@@ -382,3 +382,17 @@ def test_answers_are_counted_alike_for_every_server():
     assert servers.answer_tokens("eesd", 3, 1, "stop") == 3  # ours counts the text's tokens; one chunk a round
     assert servers.answer_tokens("llama-server", 128, 128, "length") == 128  # cut at max_tokens: no such token
     assert servers.answer_tokens("llama-server", None, 7, "stop") == 7  # no usage: one chunk a token
+
+
+def test_llama_server_keeps_the_engines_weight_buffers(monkeypatch, tmp_path):
+    """llama-server is started with the engine's rule for llama.cpp's repacked weight buffers: off (--no-repack)
+    where the engine keeps them off (a CPU with AMX, whose buffers crash llama-server on some virtual machines),
+    on otherwise, so both sides run the same kind of kernels."""
+    model = tmp_path / "m.gguf"
+    monkeypatch.setattr(servers, "find_binary", lambda name: tmp_path / name)
+    argv = {}
+    for env in ("0", "1"):
+        monkeypatch.setenv("EESD_EXTRA_BUFTS", env)
+        argv[env] = servers.llama_server_argv(model, 8080, spec_type=None, draft_model=None, n_ctx=4096, n_threads=2,
+                                              n_gpu_layers=0)
+    assert "--no-repack" in argv["0"] and "--no-repack" not in argv["1"]

@@ -436,14 +436,14 @@ def test_the_fields_tile_the_state(k):
 
 def test_the_loop_reads_header_fields_by_name():
     slots = L.loop_slots()
-    assert set(slots) == {"offer_n", "offer_conf", "behind", "source", "t_catchup", "offer_match", "no_bonus"}
+    assert set(slots) == {"offer_n", "offer_conf", "behind", "source", "t_catchup", "offer_match", "offer_reach", "no_bonus"}
     header = {name: offset for name, offset, _ in L.HEADER.spans(1)}
     for name, offset in slots.items():
         assert header[name] == offset  # a header field: the same offset in every kind of state
     ctrl = make_controller("cost-ts", sources=2)
-    ctrl.begin_round(offer=3, confidence=0.5, behind=7, match=2)
+    ctrl.begin_round(offer=3, confidence=0.5, behind=7, match=2, reach=3)
     f = ctrl.fields
-    assert (f["offer_n"], f["offer_conf"], f["behind"], f["offer_match"]) == (3, 0.5, 7, 2)
+    assert (f["offer_n"], f["offer_conf"], f["behind"], f["offer_match"], f["offer_reach"]) == (3, 0.5, 7, 2, 3)
     assert ctrl.state[slots["source"]] == f["source"] == ctrl.source()
 
 

@@ -359,8 +359,12 @@ CODE = """def merge_intervals(intervals):
             merged.append([start, end])
     return merged
 """
-ASK = ("Return this function exactly as it is, adding only a docstring. After the code, explain in three "
-       "sentences how it works.\n\n```python\n" + CODE + "```")
+# asks that make the model write a docstring and then copy the body; which one does depends on the CPU's
+# rounding (one CPU's answer interleaves comments with the first), so the test takes the first that does
+ASKS = ("Return this function exactly as it is, adding only a docstring. After the code, explain in three "
+        "sentences how it works.\n\n```python\n" + CODE + "```",
+        "Write a docstring for this function, then repeat the function with the docstring in place and every other "
+        "line exactly as it is, without comments.\n\n```python\n" + CODE + "```")
 
 
 def _longest_copy(prompt: list[int], toks: list[int], n: int = 4) -> tuple[int, int]:
@@ -380,13 +384,17 @@ def test_auto_writes_without_drafting_then_copies_with_lookup(qwen05_path):
     body): once it copies, lookup drafts long runs (longer than 8 tokens, with the default draft_max) and
     keeps them. The output is plain decoding's.
     (What drafting costs while it writes depends on this machine's timings: `eesd bench` measures it.)"""
-    msg = [{"role": "user", "content": ASK}]
     with eesd_local.load(qwen05_path, drafter="none") as plain:
-        prompt = plain.tokenize(plain.apply_chat_template(msg))
-        ref = [e.token for e in plain.generate(prompt, max_tokens=200) if isinstance(e, TokenEvent)]
-        body, n_copied = _longest_copy(prompt, ref)
-        # (which lines it copies verbatim depends on the CPU's rounding: found, not pinned)
-        assert body > 40 and n_copied >= 30, f"plain decoding did not write a docstring and then copy: {(body, n_copied)}"
+        seen = []
+        for ask in ASKS:  # (which lines it copies verbatim depends on the CPU's rounding: found, not pinned)
+            prompt = plain.tokenize(plain.apply_chat_template([{"role": "user", "content": ask}]))
+            ref = [e.token for e in plain.generate(prompt, max_tokens=200) if isinstance(e, TokenEvent)]
+            body, n_copied = _longest_copy(prompt, ref)
+            seen.append((body, n_copied))
+            if body > 40 and n_copied >= 30:
+                break
+        else:
+            raise AssertionError(f"plain decoding did not write a docstring and then copy: {seen}")
         with eesd_local.load(qwen05_path, drafter="auto") as eng:
             eng.run(eng.apply_chat_template([{"role": "user", "content": "Say hello."}]), max_tokens=16)  # costs
             evs = list(eng.generate(prompt, max_tokens=200))
@@ -451,6 +459,30 @@ def test_a_draft_reaches_as_far_as_its_match():
     assert _drafted(ctl, 64, 64) == 64
     assert _drafted(ctl, 6, 5) == 6  # (and no more than it offers)
     assert REACH_FLOOR == 8 and _drafted(ctl, 64, 5) == 8
+
+
+def test_a_prediction_reaches_past_its_match():
+    """A request's prediction (offer_reach: all of it) is not held to its match's length: after a
+    realignment of 5 tokens in a request whose copies ran on, it drafts past REACH_FLOOR, where the same
+    offer from lookup drafts REACH_FLOOR; with copies that failed it still drafts little."""
+    ctl = _long_draft_controller()
+    for _ in range(60):
+        ctl.hindsight(5, 64, 64)
+    ctl.begin_round(64, 0.8, 0, 5, reach=64)
+    k = 0
+    while k < 64 and ctl.draft_more(k, 0.8):
+        k += 1
+    ctl.end_round(np.full(k, 0.5), k, 1e-6 * k, T * (1.0 + 0.3 * k))
+    assert k > 2 * REACH_FLOOR, k
+    assert _drafted(ctl, 64, 5) == REACH_FLOOR  # lookup's offer (reach 0): as far as it matches
+    bad = _long_draft_controller()
+    for _ in range(60):
+        bad.hindsight(5, 64, 1)
+    bad.begin_round(64, 0.8, 0, 5, reach=64)
+    k = 0
+    while k < 64 and bad.draft_more(k, 0.8):
+        k += 1
+    assert k <= 2, k
 
 
 def test_a_long_class_never_seen_plans_as_the_class_below():

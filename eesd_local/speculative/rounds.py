@@ -62,7 +62,8 @@ class Controller(Protocol):
 
     def begin_request(self) -> None: ...
 
-    def begin_round(self, offer: int = 0, confidence: float = 0.0, behind: int = 0, match: int = 0) -> None: ...
+    def begin_round(self, offer: int = 0, confidence: float = 0.0, behind: int = 0, match: int = 0,
+                    reach: int = 0) -> None: ...
 
     def source(self) -> int: ...
 
@@ -158,7 +159,7 @@ class Rounds:
                                   t.row_bytes, t.type, t.n_rows, t.n_embd, [int(v) for v in trunk.vocab],
                                   int(trunk.target_model.ptr))
         self.rounds.set_slots(slots["offer_n"], slots["offer_conf"], slots["behind"], slots["source"], slots["t_catchup"],
-                              slots["offer_match"])
+                              slots["offer_match"], slots["offer_reach"])
         if hindsight:
             self.rounds.set_hindsight(hindsight_address())
         if self.mode == CALL:

@@ -141,14 +141,18 @@ class Controller:
                 raised = True
         return raised
 
-    def begin_round(self, offer: int = 0, confidence: float = 0.0, behind: int = 0, match: int = 0) -> None:
+    def begin_round(self, offer: int = 0, confidence: float = 0.0, behind: int = 0, match: int = 0,
+                    reach: int = 0) -> None:
         """A round starts. What the loop knows before it: ``offer`` free proposals (prompt lookup's
         continuation) with this ``confidence`` (0: unknown) after a context that matches their source
-        over ``match`` tokens, and ``behind``, the tokens a draft model would catch up on before drafting."""
+        over ``match`` tokens, how many of them it may draft whatever its match (``reach``: a request's
+        prediction, all of it; 0: as far as it matches), and ``behind``, the tokens a draft model would
+        catch up on before drafting."""
         s = self.state
         s[L.HD.offer_n] = offer
         s[L.HD.offer_conf] = confidence
         s[L.HD.offer_match] = match
+        s[L.HD.offer_reach] = reach
         s[L.HD.behind] = behind
         s[L.HD.t_catchup] = 0.0
         controller_begin(s)

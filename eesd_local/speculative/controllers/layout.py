@@ -200,6 +200,7 @@ HEADER = Record("Header", (
     Field("source", doc="which source drafts this round (set by a multi-source begin: see SRC_*)"),
     Field("t_catchup", doc="seconds this round's draft model spent catching up (written by the loop before update)"),
     Field("offer_match", doc="how many tokens before the offer match its source (lookup's match length, beyond the n-gram)"),
+    Field("offer_reach", doc="how far the offer may draft whatever its match (a request's prediction: all of it; 0: as far as it matches)"),
 ))
 
 BASELINE_STATE = HEADER.extend("Baseline", (
@@ -285,7 +286,7 @@ def fields(state: np.ndarray) -> Any:
 
 def loop_slots() -> dict[str, int]:
     """Where the native round loop reads and writes the state, by field: what it knows before a round
-    (offer_n, offer_conf, offer_match, behind), what begin decided (source, no_bonus) and the catch-up
+    (offer_n, offer_conf, offer_match, offer_reach, behind), what begin decided (source, no_bonus) and the catch-up
     seconds it writes before update."""
     return {name: HEADER.offset(name, 0)
-            for name in ("offer_n", "offer_conf", "behind", "source", "t_catchup", "offer_match", "no_bonus")}
+            for name in ("offer_n", "offer_conf", "behind", "source", "t_catchup", "offer_match", "offer_reach", "no_bonus")}

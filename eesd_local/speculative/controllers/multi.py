@@ -58,6 +58,7 @@ def multi_begin(state):
             sub[TS.offer_n] = state[MS.offer_n]
             sub[TS.offer_conf] = state[MS.offer_conf]
             sub[TS.offer_match] = state[MS.offer_match]
+            sub[TS.offer_reach] = state[MS.offer_reach]
             sub[TS.behind] = 0.0
         else:
             sub[TS.offer_n] = 0.0

@@ -81,7 +81,9 @@ keeps w times the evidence (a copy passes each of its lengths once), and from 10
 backs off to the class below (its prior is that class's mean), so a 64-token draft is planned from
 what long matches did, not from a hopeful prior; and an offer drafts no more tokens than its match is
 long (REACH_FLOOR at least: SuffixDecoding's rule), since the classes pool requests and a chat request
-that happens to match 15 tokens does not copy as an agent's does. On recorded answers of
+that happens to match 15 tokens does not copy as an agent's does. A request's prediction is exempt
+(offer_reach): the client said the answer goes on as it does, so right after a realignment its offer is
+planned as far as the classes' chances say pays (BENCHMARKS.md, "Predicted outputs"). On recorded answers of
 the built-in sets (scripts/lookup_replay.py) this is within 1-2% of the best fixed rule per
 category in hindsight, where the position model above lost up to 8% to plain decoding on prose
 (its odds ratios, learned on copy-heavy requests, carried long drafts into prose). Two refinements
@@ -258,7 +260,8 @@ def plan_limit(state):
     if state[TS.hindsight] != 0.0 and state[TS.offer_match] > 0.0:
         # a free offer reaches no further than its match is long (and REACH_FLOOR tokens): what the classes
         # pool over requests says little about how far this request's copy runs beyond what it has shown
-        k = min(k, max(REACH_FLOOR, int(state[TS.offer_match])))
+        # (a request's prediction reaches as far as it goes: offer_reach)
+        k = min(k, max(REACH_FLOOR, int(state[TS.offer_match]), int(state[TS.offer_reach])))
     return min(k, n)
 
 

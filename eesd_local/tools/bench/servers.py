@@ -36,6 +36,7 @@ import llama_cpp
 
 from eesd_local.base.errors import EesdError
 from eesd_local.base.paths import package_root
+from eesd_local.llama.runtime import extra_bufts_allowed
 from eesd_local.speculative.events import Stats
 from eesd_local.tools.bench.methods import SERVER, MethodSpec, Sampling, Turn
 
@@ -269,6 +270,11 @@ def llama_server_argv(model_path: Path, port: int, *, spec_type: str | None, dra
     argv = [str(find_binary("llama-server")), "-m", str(model_path), "--host", "127.0.0.1", "--port", str(port),
             "-c", str(n_ctx), "-t", str(n_threads), "-tb", str(n_threads), "-np", "1", "-fa", "off",
             "-ngl", str(n_gpu_layers), "--no-webui"]
+    if not extra_bufts_allowed():
+        # the engine's rule (runtime.extra_bufts_allowed): on a CPU with AMX llama.cpp repacks the weights into its
+        # AMX buffers, whose matmul crashes on some virtual machines (llama-server exits with SIGSEGV while it
+        # starts), so both run the ordinary AVX-512 kernels there
+        argv += ["--no-repack"]
     if rpc:
         argv += ["--rpc", ",".join(rpc)]
     if spec_type:
