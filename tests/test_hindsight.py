@@ -49,8 +49,8 @@ def _teach_costs(ctl, slope: float = 0.45, n: int = 6) -> None:
             ctl.end_round(np.full(b - 1, 0.5), 0, 1e-6 * (b - 1), T * (1.0 + slope * (b - 1)))
 
 
-def _drafted(ctl, offer: int, match: int) -> int:
-    ctl.begin_round(offer, min(match, 4) / 5.0, 0, match)
+def _drafted(ctl, offer: int, match: int, reach: int = 0) -> int:
+    ctl.begin_round(offer, min(match, 4) / 5.0, 0, match, reach=reach)
     k = 0
     while k < offer and ctl.draft_more(k, 1.0 if k == 0 else min(match, 4) / 5.0):
         k += 1
@@ -468,20 +468,13 @@ def test_a_prediction_reaches_past_its_match():
     ctl = _long_draft_controller()
     for _ in range(60):
         ctl.hindsight(5, 64, 64)
-    ctl.begin_round(64, 0.8, 0, 5, reach=64)
-    k = 0
-    while k < 64 and ctl.draft_more(k, 0.8):
-        k += 1
-    ctl.end_round(np.full(k, 0.5), k, 1e-6 * k, T * (1.0 + 0.3 * k))
+    k = _drafted(ctl, 64, 5, reach=64)
     assert k > 2 * REACH_FLOOR, k
     assert _drafted(ctl, 64, 5) == REACH_FLOOR  # lookup's offer (reach 0): as far as it matches
     bad = _long_draft_controller()
     for _ in range(60):
         bad.hindsight(5, 64, 1)
-    bad.begin_round(64, 0.8, 0, 5, reach=64)
-    k = 0
-    while k < 64 and bad.draft_more(k, 0.8):
-        k += 1
+    k = _drafted(bad, 64, 5, reach=64)
     assert k <= 2, k
 
 
