@@ -51,6 +51,10 @@ from eesd_local.speculative.engine import Engine
 _R = TypeVar("_R", bound=BaseModel)
 QUEUE = 8  # requests that may wait while one runs; more get 429
 RETRY_AFTER_S = 1
+# an idle server keeps the conversation it holds in RAM once no request has come for this long after a response:
+# the next turn of an agent or a script comes within it and continues the conversation in the KV cache, so the
+# copy (a few ms to tens of ms for a long conversation, and a buffer's first touch) stays off its path
+KEEP_AFTER_S = 0.25
 # the most bytes a request body may hold: a whole context of text, JSON-escaped, is far less (32k tokens of
 # \uXXXX-escaped text ~ 0.5 MB); a larger one is refused from its Content-Length before it is read
 MAX_BODY = 4 << 20
@@ -400,7 +404,8 @@ class EngineWorker:
         self._thread.join()
 
     def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        job = self._jobs.get()
+        while job is not None:
             with self._lock:
                 self._waiting -= 1
                 self._running = True
@@ -413,11 +418,15 @@ class EngineWorker:
                 with self._lock:
                     self._running = False
                 job.post(_END)
-            self._idle()
+            try:
+                job = self._jobs.get(timeout=KEEP_AFTER_S)
+            except queue.Empty:
+                self._idle()
+                job = self._jobs.get()
 
     def _idle(self) -> None:
-        """The response has gone: with no request waiting, keep the prompt the engine holds in RAM now, off
-        the next request's path (a request for another conversation would else copy it first)."""
+        """No request came for KEEP_AFTER_S after the last response: keep the prompt the engine holds in RAM now,
+        off the next request's path (a request for another conversation would else copy it first)."""
         if self._waiting or self._closing:
             return
         try:

@@ -1,0 +1,107 @@
+"""A later turn's time to the first token over HTTP: `eesd serve` against llama-server, one request at a time.
+
+    EESD_LLAMA_TOOLS=build/llama-tools/KEY/bin .venv/bin/python scripts/turn_ttft.py eesd
+    EESD_LLAMA_TOOLS=build/llama-tools/KEY/bin .venv/bin/python scripts/turn_ttft.py llama-server
+    (options: --drafter for eesd serve, --answer N tokens of turn 1, --new N tokens the next turn adds, --reps)
+
+Starts the server (llama-server as `eesd bench` starts it: stock kernels, --no-repack on an AMX CPU), then per
+repeat sends turn 1 (a prompt of 1000 + 60 r tokens of this project's source, streamed, --answer tokens), and
+turn 2: turn 1, its answer's text tokenized again, and --new tokens more; prints turn 2's seconds from the
+request to the first streamed text, per repeat and their median. Run the two servers one after the other,
+alternating, and compare medians: nothing else should run beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from eesd_local.llama.catalog import resolve_model
+from eesd_local.llama.runtime import Model
+from eesd_local.tools.bench.servers import STOCK_ENV, llama_server_argv
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def stream(base: str, prompt: list[int], n: int) -> tuple[float, str]:
+    """(seconds to the first streamed text, the whole text) of one streamed /v1/completions request."""
+    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first, text = 0.0, ""
+    with httpx.Client(timeout=300) as c, c.stream("POST", base + "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choices = json.loads(line[6:]).get("choices") or []
+            piece = choices[0].get("text") or "" if choices else ""
+            if piece and not first:
+                first = time.perf_counter() - t0
+            text += piece
+    return first, text
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("server", choices=("eesd", "llama-server"))
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--drafter", default="none")
+    ap.add_argument("--answer", type=int, default=128)
+    ap.add_argument("--new", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    path = resolve_model(args.model)
+    port = free_port()
+    if args.server == "eesd":
+        argv = [sys.executable, "-m", "eesd_local.cli", "serve", str(path), "--port", str(port), "--drafter", args.drafter,
+                "--n-ctx", "4096", "--n-threads", "2", "--log-level", "warning"]
+        env = None
+    else:
+        argv = llama_server_argv(path, port, spec_type=None, draft_model=None, n_ctx=4096, n_threads=2, n_gpu_layers=0)
+        env = {**os.environ, **STOCK_ENV}
+    srv = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(base + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if srv.poll() is not None or time.monotonic() > deadline:
+                print(f"{args.server} did not start", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        model = Model(str(path))  # the tokenizer (mapped, idle while the server works)
+        source = model.tokenize((Path(__file__).parents[1] / "eesd_local" / "server.py").read_text())
+        stream(base, source[:64], 4)  # warm-up
+        times = []
+        for r in range(args.reps):
+            turn1 = source[:1000 + 60 * r]
+            _, answer = stream(base, turn1, args.answer)
+            again = model.tokenize(answer, add_special=False) if answer else []
+            first, _ = stream(base, turn1 + again + source[1000 + 60 * r:1000 + 60 * r + args.new], 4)
+            times.append(first)
+        model.close()
+        print(args.server, " ".join(f"{t:.3f}" for t in times), f"median {statistics.median(times):.3f} s")
+    finally:
+        srv.terminate()
+        srv.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
