@@ -5,13 +5,17 @@ logits and KV independent of the batch they were computed in; these tests hold t
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 import eesd_local
+from eesd_local import server
 from eesd_local.gguf.tiny import write_tiny_gguf
 from eesd_local.speculative.events import TokenEvent
 from eesd_local.speculative.promptcache import RESTORE_MIN_TOKENS, SLACK, PromptCache
@@ -240,3 +244,51 @@ def test_the_engine_keeps_its_prompt_ahead_of_the_next_conversation(tiny):
         got, cached = _answer(eng, first + [11, 12], 8)
         assert got == want[2] and cached >= len(first), cached
         assert saves, "the second conversation was not kept when the first came back"
+
+
+def test_the_server_keeps_an_idle_prompt_only_when_no_next_request_comes_soon(monkeypatch):
+    """eesd serve's worker copies the conversation the engine holds into RAM once no request came for KEEP_AFTER_S
+    after a response: a next turn sent soon after (an agent, a script) is served first, with no copy before it;
+    once the server sits idle the copy is made, once."""
+    monkeypatch.setattr(server, "KEEP_AFTER_S", 1.0)
+    keeps: list[float] = []
+    served: list[tuple[str, int]] = []  # (request, keeps made before it started)
+    done = threading.Event()
+
+    class Engine:  # what the worker reads and calls on an engine
+        config = eesd_local.EngineConfig(model="m", drafter="none")
+
+        def cancel(self) -> None:
+            pass
+
+        def keep_prompt(self) -> bool:
+            keeps.append(time.monotonic())
+            return True
+
+    def start(engine, job):
+        served.append((job.prompt, len(keeps)))
+        yield {"choices": []}
+        done.set()
+
+    monkeypatch.setattr(server, "_start", start)
+    monkeypatch.setattr(server.EngineWorker, "_configure", lambda self, spec: None)
+    loop = asyncio.new_event_loop()
+    worker = server.EngineWorker(Engine(), "m")
+    try:
+        assert worker.submit(server.Job(False, "turn 1", {}, None, loop))
+        assert done.wait(10)
+        done.clear()
+        time.sleep(0.1)  # the next turn comes 0.1 s after the first's response
+        assert worker.submit(server.Job(False, "turn 2", {}, None, loop))
+        assert done.wait(10)
+        ended = time.monotonic()
+        deadline = ended + 10
+        while not keeps and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)
+        assert served == [("turn 1", 0), ("turn 2", 0)], "the prompt was copied before the next turn"
+        assert len(keeps) == 1, keeps  # kept once the server sat idle
+        assert keeps[0] - ended >= 0.9
+    finally:
+        worker.stop()
+        loop.close()
