@@ -14,43 +14,14 @@ alternating, and compare medians: nothing else should run beside them.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
-
-import httpx
 
 from eesd_local.llama.catalog import resolve_model
 from eesd_local.llama.runtime import Model
-from eesd_local.tools.bench.servers import STOCK_ENV, llama_server_argv
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def stream(base: str, prompt: list[int], n: int) -> tuple[float, str]:
-    """(seconds to the first streamed text, the whole text) of one streamed /v1/completions request."""
-    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    first, text = 0.0, ""
-    with httpx.Client(timeout=300) as c, c.stream("POST", base + "/v1/completions", json=body) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            choices = json.loads(line[6:]).get("choices") or []
-            piece = choices[0].get("text") or "" if choices else ""
-            if piece and not first:
-                first = time.perf_counter() - t0
-            text += piece
-    return first, text
+from eesd_local.tools.bench.servers import STOCK_ENV, ServerProcess, free_port, llama_server_argv
 
 
 def main() -> int:
@@ -71,35 +42,28 @@ def main() -> int:
     else:
         argv = llama_server_argv(path, port, spec_type=None, draft_model=None, n_ctx=4096, n_threads=2, n_gpu_layers=0)
         env = {**os.environ, **STOCK_ENV}
-    srv = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    base = f"http://127.0.0.1:{port}"
+    server = ServerProcess(argv, port, args.server, env=env)  # started and waited for (/health)
+
+    def stream(prompt: list[int], n: int) -> tuple[float, str]:
+        text, first, *_ = server.post_stream("/v1/completions", {"prompt": prompt, "max_tokens": n, "temperature": 0,
+                                                                  "stream": True})
+        return first, text
+
+    model = Model(str(path))  # the tokenizer (mapped, idle while the server works)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(base + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if srv.poll() is not None or time.monotonic() > deadline:
-                print(f"{args.server} did not start", file=sys.stderr)
-                return 1
-            time.sleep(0.5)
-        model = Model(str(path))  # the tokenizer (mapped, idle while the server works)
         source = model.tokenize((Path(__file__).parents[1] / "eesd_local" / "server.py").read_text())
-        stream(base, source[:64], 4)  # warm-up
+        stream(source[:64], 4)  # warm-up
         times = []
         for r in range(args.reps):
             turn1 = source[:1000 + 60 * r]
-            _, answer = stream(base, turn1, args.answer)
+            _, answer = stream(turn1, args.answer)
             again = model.tokenize(answer, add_special=False) if answer else []
-            first, _ = stream(base, turn1 + again + source[1000 + 60 * r:1000 + 60 * r + args.new], 4)
+            first, _ = stream(turn1 + again + source[1000 + 60 * r:1000 + 60 * r + args.new], 4)
             times.append(first)
-        model.close()
         print(args.server, " ".join(f"{t:.3f}" for t in times), f"median {statistics.median(times):.3f} s")
     finally:
-        srv.terminate()
-        srv.wait()
+        model.close()
+        server.stop()
     return 0
 
 
