@@ -371,6 +371,9 @@ def test_many_rounds_keep_memory_flat(tiny):
 # --- batches: several rounds per call into the extension ------------------------------
 
 
+LONG_BATCH_MS = 600_000.0  # a batch this long ends only at max_tokens, an end of generation or a cancel
+
+
 def _count_fetches(monkeypatch) -> list[int]:
     calls = [0]
     real = rounds_mod.Rounds._fetch
@@ -384,36 +387,39 @@ def _count_fetches(monkeypatch) -> list[int]:
 
 
 def test_batches_give_the_events_of_single_rounds(tiny, monkeypatch):
-    """The default batches (many rounds per call on the tiny model) and one round per call give
-    the same events, greedy and sampled, stopping at max_tokens inside a batch."""
+    """Batches of many rounds per call and one round per call give the same events, greedy and
+    sampled, stopping at max_tokens inside a batch. The batches are ten minutes long, so they end at
+    max_tokens or an end of generation however slow the machine (50 ms on a loaded CI machine gave
+    about four rounds a call)."""
     target, draft = tiny
     calls = _count_fetches(monkeypatch)
     for kind, extra in (("lookup", {}), ("hierarchical", dict(draft_model=draft))):
         seen = {}
-        for batch_ms in (50.0, 0.0):
+        for batch_ms in (LONG_BATCH_MS, 0.0):
             with eesd_local.load(target, drafter=kind, n_ctx=2048, controller="fixed:4", batch_ms=batch_ms, **extra) as eng:
                 calls[0] = 0
                 got = [_events(eng, TINY_PROMPT, max_tokens=150, **kw)
                        for kw in (dict(), dict(temperature=0.8, top_p=0.9, seed=5))]
                 seen[batch_ms] = got, calls[0]
-        (batched, n_batched), (single, n_single) = seen[50.0], seen[0.0]
+        (batched, n_batched), (single, n_single) = seen[LONG_BATCH_MS], seen[0.0]
         assert batched == single
         n_rounds = sum(g[2][3] for g in single)
         assert n_single == n_rounds and n_batched < n_rounds / 4, (n_batched, n_rounds)
 
 
 def test_stop_string_inside_a_batch(tiny):
-    """A stop string ends the answer where one round per call ends it, though the batch ran past it."""
+    """A stop string ends the answer where one round per call ends it, though the batch ran past it
+    (a ten-minute batch runs to max_tokens)."""
     target, _ = tiny
     got = {}
-    for batch_ms in (50.0, 0.0):
+    for batch_ms in (LONG_BATCH_MS, 0.0):
         with eesd_local.load(target, drafter="lookup", n_ctx=2048, controller="fixed:4", batch_ms=batch_ms) as eng:
             full = _events(eng, TINY_PROMPT, max_tokens=120)
             pieces = [t[1] for t in full[0]]
             at = next(i for i in range(40, len(pieces)) if pieces[i].strip())  # a piece with text, well inside
             stop = "".join(pieces[at - 1: at + 1])
             got[batch_ms] = _events(eng, TINY_PROMPT, max_tokens=120, stop=[stop])
-    assert got[50.0] == got[0.0]
+    assert got[LONG_BATCH_MS] == got[0.0]
     assert got[0.0][2][0] == "stop" and got[0.0][2][2] < 120
 
 
