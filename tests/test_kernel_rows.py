@@ -1,0 +1,79 @@
+"""The batch-invariant CPU kernels type by type, without a model (native/patches/ggml-batch-invariant.patch).
+
+scripts/matmul_rows.c multiplies random weights of one type by a batch of M rows in one product and checks
+that every row is bit-identical to the same row multiplied alone, for batch sizes on both sides of every
+kernel switch (the one-weight-row tiles below 17 rows, the K-quant gemv below 12 or 32, the tiled kernels
+above) and weight row counts that leave tails after the gemv's groups of 8 rows. The demo models carry
+only some of these types (no Q5_K, Q4_0, IQ4_NL, BF16 ...): this covers the rest. With
+GGML_CPU_EXACT_ROWS=0 (llama.cpp's stock kernels) the same program must find rows that differ, so the
+check can fail.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = ROOT / "scripts" / "matmul_rows.c"
+
+# ggml's type numbers
+TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11,
+         "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "BF16": 30}
+SIZES = ["1", "2", "3", "4", "5", "7", "8", "9", "11", "12", "13", "15", "16", "17", "24", "31", "32", "33", "64"]
+
+
+@pytest.fixture(scope="module")
+def checker(tmp_path_factory) -> Path:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build scripts/matmul_rows.c")
+    spec = importlib.util.find_spec("llama_cpp")
+    assert spec is not None and spec.origin is not None, "llama-cpp-python is not installed"
+    pkg = Path(spec.origin).parent
+    lib, include = pkg / "lib", pkg.parent / "include"
+    if not (include / "ggml-cpu.h").is_file():
+        pytest.skip(f"llama-cpp-python installed no ggml headers ({include})")
+    out = tmp_path_factory.mktemp("rows") / "matmul_rows"
+    res = subprocess.run([cc, "-O2", "-o", str(out), str(SOURCE), f"-I{include}", f"-L{lib}", "-lggml-base", "-lggml-cpu",
+                          "-lggml", f"-Wl,-rpath,{lib}"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    return out
+
+
+def _differing(checker: Path, type_no: int, k: int, n: int, threads: int, exact: bool) -> dict[int, int]:
+    env = dict(os.environ, GGML_CPU_EXACT_ROWS="1" if exact else "0")
+    res = subprocess.run([str(checker), str(type_no), str(k), str(n), str(threads), *SIZES], capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert res.returncode in (0, 1), res.stderr
+    got = {}
+    for line in res.stdout.splitlines():  # "<type> K=.. N=.. threads=.. exact=.. M=m: d of m rows differ"
+        m = int(line.split(" M=")[1].split(":")[0])
+        got[m] = int(line.split(": ")[1].split()[0])
+    assert sorted(got) == sorted(int(s) for s in SIZES), res.stdout
+    return got
+
+
+@pytest.mark.parametrize("name", list(TYPES))
+def test_every_row_of_a_batch_is_the_row_alone(checker, name):
+    # K of two K-quant super-blocks; 203 weight rows: 16-row runs, each cut in groups of 8 with a tail
+    for threads in (1, 2, 3):
+        got = _differing(checker, TYPES[name], 512, 203, threads, exact=True)
+        assert not any(got.values()), f"{name}, {threads} threads: rows that differ per batch size {got}"
+
+
+def test_long_runs_of_weight_rows_too(checker):
+    """A larger matrix: the gemv's runs of weight rows are longer than 16 (62 rows here) and end in a tail."""
+    for name in ("Q4_K", "Q6_K"):
+        got = _differing(checker, TYPES[name], 768, 2003, 2, exact=True)
+        assert not any(got.values()), f"{name}: rows that differ per batch size {got}"
+
+
+def test_the_check_sees_stock_kernels_differ(checker):
+    got = _differing(checker, TYPES["Q4_K"], 512, 203, 2, exact=False)
+    assert got[1] == 0 and any(got[m] for m in (8, 16, 33)), got
