@@ -117,6 +117,17 @@ def test_verdict_where_two_tokens_cost_nearly_two():
     assert costs.head_verdict(_prof(1.9, 0.5), agreement=0.99, exit_layer=5, n_layer=24, k_max=8).pays
 
 
+def test_verdict_with_the_controllers_margin():
+    """A head that beats plain decoding only by less than the margin the controller wants before it drafts
+    (CPU_DRAFT_MARGIN on the CPU) is off: it would never draft, and held it costs every round."""
+    prof = costs.CostProfile(100.0, {1: 1.0, 2: 1.235, 3: 1.344, 4: 1.337, 5: 1.538, 6: 1.641, 7: 1.992, 8: 2.133,
+                                     9: 2.35, 17: 4.84, 65: 8.64}, {})  # the 1.5B on a 2-core Xeon, 2026-12-02
+    bare = costs.head_verdict(prof, agreement=0.49, exit_layer=6, n_layer=28, k_max=64)
+    held = costs.head_verdict(prof, agreement=0.49, exit_layer=6, n_layer=28, k_max=64, margin=0.10)
+    assert bare.pays and not held.pays and held.needed > bare.needed + 0.1, (bare, held)
+    assert costs.head_verdict(prof, agreement=0.9, exit_layer=6, n_layer=28, k_max=64, margin=0.10).pays
+
+
 def test_verdict_when_nothing_can_pay():
     """Every batch as dear as its tokens decoded one by one: no acceptance is enough."""
     prof = costs.CostProfile(20.0, {k: float(k) for k in costs.KS}, {})

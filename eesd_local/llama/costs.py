@@ -334,15 +334,18 @@ class Verdict:
     note: str
 
 
-def head_verdict(prof: CostProfile, *, agreement: float, exit_layer: int, n_layer: int, k_max: int) -> Verdict:
-    """Whether an exit head could ever beat plain decoding here. Deliberately generous to the head:
+def head_verdict(prof: CostProfile, *, agreement: float, exit_layer: int, n_layer: int, k_max: int,
+                 margin: float = 0.0) -> Verdict:
+    """Whether an exit head could ever beat plain decoding here by ``margin`` (the share by which the
+    controller wants a round's plan to beat plain decoding before it drafts: a head that cannot clear
+    it never drafts, and holding it costs every round). Deliberately generous to the head otherwise:
     its draft token is costed at the trunk's share of the layers (no output layer), and its
     acceptance taken as its top-1 agreement with the target at training, so "off" means it cannot
     pay; "on" means it may, and the controller then decides round by round."""
     cost = (exit_layer + 1) / max(1, n_layer)
     if not prof.plausible:
         return Verdict(False, float("nan"), agreement, cost, f"exit head: off for now: {prof.note}")
-    need = needed_acceptance(prof, cost, k_max)
+    need = needed_acceptance(prof, cost, k_max, margin)
     pays = agreement > need
     b2 = f"B(2)={prof.b(2):.2f}"
     if pays:
