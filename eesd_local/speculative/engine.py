@@ -51,7 +51,7 @@ from eesd_local.llama.trunk import open_split
 from eesd_local.speculative import chat as chat_mod
 from eesd_local.speculative.controllers import CPU_DRAFT_MARGIN, DEFAULT_CONTROLLER, make_controller
 from eesd_local.speculative.controllers import Controller as StateController
-from eesd_local.speculative.drafters import DRAFTERS, make_drafter, n_sources, placement, shared_trunk_plan
+from eesd_local.speculative.drafters import DRAFTERS, make_drafter, n_sources, placement, shared_trunk_plan, target_on_cpu
 from eesd_local.speculative.drafters.base import Drafter, NoDrafter
 from eesd_local.speculative.events import Event, FinishEvent, RoundEvent, Stats, TokenEvent
 from eesd_local.speculative.promptcache import RESTORE_MIN_TOKENS, SAVE_MIN_TOKENS, PromptCache
@@ -436,7 +436,7 @@ class Engine:
         ctl = _make_controller(spec, self.config.draft_max, self.config.seed, sources, self.config.model_draft_max)
         if not self.drafter.drafts or not isinstance(ctl, StateController) or ctl is spec:
             return ctl
-        if self.config.n_gpu_layers == 0 and not self.config.rpc:
+        if target_on_cpu(self.config):
             ctl.raise_margin(CPU_DRAFT_MARGIN)
         try:
             prof, _ = costs.cached(costs.fingerprint(self.model_path, **placement(self.config)))

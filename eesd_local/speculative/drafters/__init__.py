@@ -64,6 +64,12 @@ def placement(config: Any) -> dict[str, Any]:
     return dict(n_threads=config.n_threads or default_threads(), n_gpu_layers=config.n_gpu_layers, rpc=tuple(config.rpc))
 
 
+def target_on_cpu(config: Any) -> bool:
+    """Whether the target runs on this machine's CPU (no layer offloaded, no RPC server): there a round
+    drafts only where its plan beats plain decoding by CPU_DRAFT_MARGIN."""
+    return config.n_gpu_layers == 0 and not config.rpc
+
+
 def auto_head(config: Any, model_path: Any, model: Model | None = None) -> tuple[Any, costs.Verdict | None]:
     """The exit head ``auto`` would hold (None: none is known for the model), and whether it could
     ever pay on this machine, from the kept cost profile (measured now with ``model`` where none is
@@ -85,10 +91,9 @@ def auto_head(config: Any, model_path: Any, model: Model | None = None) -> tuple
     # CPU_DRAFT_MARGIN (engine._new_controller): a head that cannot clear it would never draft, yet held on
     # the shared trunk it costs every round (the 1.5B on a 2-core Xeon: 8.2 tok/s against 10.4, drafting 4
     # tokens in 59 rounds)
-    on_cpu = place["n_gpu_layers"] == 0 and not place["rpc"]
     v = costs.head_verdict(prof, agreement=agreement, exit_layer=int(info["exit_layer"]),
                            n_layer=int(info["base_n_layer"]), k_max=int(config.draft_max),
-                           margin=CPU_DRAFT_MARGIN if on_cpu else 0.0)
+                           margin=CPU_DRAFT_MARGIN if target_on_cpu(config) else 0.0)
     if prof.note and prof.plausible:  # an implausible profile's note is the verdict's already
         v.note += f"; {prof.note}"
     return head, v
