@@ -2,6 +2,7 @@
 
     EESD_LLAMA_TOOLS=build/llama-tools/KEY/bin .venv/bin/python scripts/turn_ttft.py eesd
     EESD_LLAMA_TOOLS=build/llama-tools/KEY/bin .venv/bin/python scripts/turn_ttft.py llama-server
+    .venv/bin/python scripts/turn_ttft.py inproc    (the engine in this process: what HTTP adds is the difference)
     (options: --drafter for eesd serve, --answer N tokens of turn 1, --new N tokens the next turn adds, --reps)
 
 Starts the server (llama-server as `eesd bench` starts it: stock kernels, --no-repack on an AMX CPU), then per
@@ -17,16 +18,19 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
+import eesd_local
 from eesd_local.llama.catalog import resolve_model
 from eesd_local.llama.runtime import Model
+from eesd_local.speculative.events import TokenEvent
 from eesd_local.tools.bench.servers import STOCK_ENV, ServerProcess, free_port, llama_server_argv
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("server", choices=("eesd", "llama-server"))
+    ap.add_argument("server", choices=("eesd", "llama-server", "inproc"))
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--drafter", default="none")
     ap.add_argument("--answer", type=int, default=128)
@@ -35,6 +39,8 @@ def main() -> int:
     args = ap.parse_args()
     path = resolve_model(args.model)
     port = free_port()
+    if args.server == "inproc":
+        return _inproc(path, args)
     if args.server == "eesd":
         argv = [sys.executable, "-m", "eesd_local.cli", "serve", str(path), "--port", str(port), "--drafter", args.drafter,
                 "--n-ctx", "4096", "--n-threads", "2", "--log-level", "warning"]
@@ -64,6 +70,33 @@ def main() -> int:
     finally:
         model.close()
         server.stop()
+    return 0
+
+
+def _inproc(path: Path, args: argparse.Namespace) -> int:
+    """The same turns through the engine in this process (the server's defaults), timed from the call to the first
+    token's text."""
+    with eesd_local.load(str(path), drafter=args.drafter, n_ctx=4096, n_threads=2) as eng:
+        def stream(prompt: list[int], n: int) -> tuple[float, str]:
+            t0 = time.perf_counter()
+            first, parts = 0.0, []
+            for ev in eng.generate(prompt, max_tokens=n, temperature=0.0):
+                if isinstance(ev, TokenEvent) and ev.text:
+                    if not parts:
+                        first = time.perf_counter() - t0
+                    parts.append(ev.text)
+            return first, "".join(parts)
+
+        source = eng.tokenize((Path(__file__).parents[1] / "eesd_local" / "server.py").read_text())
+        stream(source[:64], 4)  # warm-up
+        times = []
+        for r in range(args.reps):
+            turn1 = source[:1000 + 60 * r]
+            _, answer = stream(turn1, args.answer)
+            again = eng.model.tokenize(answer, add_special=False) if answer else []
+            first, _ = stream(turn1 + again + source[1000 + 60 * r:1000 + 60 * r + args.new], 4)
+            times.append(first)
+    print("inproc", " ".join(f"{t:.3f}" for t in times), f"median {statistics.median(times):.3f} s")
     return 0
 
 
