@@ -19,11 +19,13 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import eesd_local
 from eesd_local.llama.catalog import resolve_model
 from eesd_local.llama.runtime import Model
+from eesd_local.speculative.engine import Engine
 from eesd_local.speculative.events import TokenEvent
 from eesd_local.tools.bench.servers import STOCK_ENV, ServerProcess, free_port, llama_server_argv
 
@@ -38,9 +40,17 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
     path = resolve_model(args.model)
-    port = free_port()
     if args.server == "inproc":
-        return _inproc(path, args)
+        with eesd_local.load(str(path), drafter=args.drafter, n_ctx=4096, n_threads=2) as eng:
+            times = _turns(_engine_stream(eng), eng.model, args)
+    else:
+        times = _over_http(path, args)
+    print(args.server, " ".join(f"{t:.3f}" for t in times), f"median {statistics.median(times):.3f} s")
+    return 0
+
+
+def _over_http(path: Path, args: argparse.Namespace) -> list[float]:
+    port = free_port()
     if args.server == "eesd":
         argv = [sys.executable, "-m", "eesd_local.cli", "serve", str(path), "--port", str(port), "--drafter", args.drafter,
                 "--n-ctx", "4096", "--n-threads", "2", "--log-level", "warning"]
@@ -57,47 +67,40 @@ def main() -> int:
 
     model = Model(str(path))  # the tokenizer (mapped, idle while the server works)
     try:
-        source = model.tokenize((Path(__file__).parents[1] / "eesd_local" / "server.py").read_text())
-        stream(source[:64], 4)  # warm-up
-        times = []
-        for r in range(args.reps):
-            turn1 = source[:1000 + 60 * r]
-            _, answer = stream(turn1, args.answer)
-            again = model.tokenize(answer, add_special=False) if answer else []
-            first, _ = stream(turn1 + again + source[1000 + 60 * r:1000 + 60 * r + args.new], 4)
-            times.append(first)
-        print(args.server, " ".join(f"{t:.3f}" for t in times), f"median {statistics.median(times):.3f} s")
+        return _turns(stream, model, args)
     finally:
         model.close()
         server.stop()
-    return 0
 
 
-def _inproc(path: Path, args: argparse.Namespace) -> int:
-    """The same turns through the engine in this process (the server's defaults), timed from the call to the first
-    token's text."""
-    with eesd_local.load(str(path), drafter=args.drafter, n_ctx=4096, n_threads=2) as eng:
-        def stream(prompt: list[int], n: int) -> tuple[float, str]:
-            t0 = time.perf_counter()
-            first, parts = 0.0, []
-            for ev in eng.generate(prompt, max_tokens=n, temperature=0.0):
-                if isinstance(ev, TokenEvent) and ev.text:
-                    if not parts:
-                        first = time.perf_counter() - t0
-                    parts.append(ev.text)
-            return first, "".join(parts)
+def _engine_stream(eng: Engine) -> Callable[[list[int], int], tuple[float, str]]:
+    """The engine in this process, timed from the call to the first token's text (what HTTP adds is the difference)."""
+    def stream(prompt: list[int], n: int) -> tuple[float, str]:
+        t0 = time.perf_counter()
+        first, parts = 0.0, []
+        for ev in eng.generate(prompt, max_tokens=n, temperature=0.0):
+            if isinstance(ev, TokenEvent) and ev.text:
+                if not parts:
+                    first = time.perf_counter() - t0
+                parts.append(ev.text)
+        return first, "".join(parts)
 
-        source = eng.tokenize((Path(__file__).parents[1] / "eesd_local" / "server.py").read_text())
-        stream(source[:64], 4)  # warm-up
-        times = []
-        for r in range(args.reps):
-            turn1 = source[:1000 + 60 * r]
-            _, answer = stream(turn1, args.answer)
-            again = eng.model.tokenize(answer, add_special=False) if answer else []
-            first, _ = stream(turn1 + again + source[1000 + 60 * r:1000 + 60 * r + args.new], 4)
-            times.append(first)
-    print("inproc", " ".join(f"{t:.3f}" for t in times), f"median {statistics.median(times):.3f} s")
-    return 0
+    return stream
+
+
+def _turns(stream: Callable[[list[int], int], tuple[float, str]], model: Model, args: argparse.Namespace) -> list[float]:
+    """Per repeat: turn 1, then turn 2 (turn 1, its answer's text tokenized again, --new tokens more); turn 2's
+    seconds to its first text."""
+    source = model.tokenize((Path(__file__).parents[1] / "eesd_local" / "server.py").read_text())
+    stream(source[:64], 4)  # warm-up
+    times = []
+    for r in range(args.reps):
+        turn1 = source[:1000 + 60 * r]
+        _, answer = stream(turn1, args.answer)
+        again = model.tokenize(answer, add_special=False) if answer else []
+        first, _ = stream(turn1 + again + source[1000 + 60 * r:1000 + 60 * r + args.new], 4)
+        times.append(first)
+    return times
 
 
 if __name__ == "__main__":

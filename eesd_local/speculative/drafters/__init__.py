@@ -89,8 +89,8 @@ def auto_head(config: Any, model_path: Any, model: Model | None = None) -> tuple
         prof = costs.profile(model, **place)
     # where the target runs on the CPU the controller drafts only where a plan beats plain decoding by
     # CPU_DRAFT_MARGIN (engine._new_controller): a head that cannot clear it would never draft, yet held on
-    # the shared trunk it costs every round (the 1.5B on a 2-core Xeon: 8.2 tok/s against 10.4, drafting 4
-    # tokens in 59 rounds)
+    # the shared trunk it costs every round (the 1.5B on a 2-core Xeon: 2-3% a round that drafts nothing, more
+    # with the probes that fail; BENCHMARKS.md)
     v = costs.head_verdict(prof, agreement=agreement, exit_layer=int(info["exit_layer"]),
                            n_layer=int(info["base_n_layer"]), k_max=int(config.draft_max),
                            margin=CPU_DRAFT_MARGIN if target_on_cpu(config) else 0.0)
