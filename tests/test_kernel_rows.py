@@ -2,9 +2,9 @@
 
 scripts/matmul_rows.c multiplies random weights of one type by a batch of M rows in one product and checks
 that every row is bit-identical to the same row multiplied alone, for batch sizes on both sides of every
-kernel switch (the one-weight-row tiles below 17 rows, the K-quant gemv below 12 or 32, the tiled kernels
-above) and weight row counts that leave tails after the gemv's groups of 8 rows. The demo models carry
-only some of these types (no Q5_K, Q4_0, IQ4_NL, BF16 ...): this covers the rest. With
+kernel switch (the one-weight-row tiles below 17 rows, the K-quant gemv below 8 rows, the gemv or the tiled
+kernels from 8 to 63 rows, whichever this CPU runs faster, the tiled kernels above) and weight row counts that
+leave tails after the gemv's groups of 8 rows. The demo models carry only some of these types (no Q5_K, Q4_0, IQ4_NL, BF16 ...): this covers the rest. With
 GGML_CPU_EXACT_ROWS=0 (llama.cpp's stock kernels) the same program must find rows that differ, so the
 check can fail.
 """
@@ -46,8 +46,9 @@ def checker(tmp_path_factory) -> Path:
     return out
 
 
-def _differing(checker: Path, type_no: int, k: int, n: int, threads: int, exact: bool) -> dict[int, int]:
-    env = dict(os.environ, GGML_CPU_EXACT_ROWS="1" if exact else "0")
+def _differing(checker: Path, type_no: int, k: int, n: int, threads: int, exact: bool,
+               **extra: str) -> dict[int, int]:
+    env = dict(os.environ, GGML_CPU_EXACT_ROWS="1" if exact else "0", **extra)
     res = subprocess.run([str(checker), str(type_no), str(k), str(n), str(threads), *SIZES], capture_output=True,
                          text=True, env=env, timeout=300)
     assert res.returncode in (0, 1), res.stderr
@@ -72,6 +73,17 @@ def test_long_runs_of_weight_rows_too(checker):
     for name in ("Q4_K", "Q6_K"):
         got = _differing(checker, TYPES[name], 768, 2003, 2, exact=True)
         assert not any(got.values()), f"{name}: rows that differ per batch size {got}"
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("policy", ["auto", "gemv", "tiled", "fixed"])
+def test_either_kquant_kernel_gives_the_row_alone(checker, name, policy):
+    """Batches of 8 to 63 K-quant rows run whichever of the gemv and the tiled kernels was the faster on this CPU
+    (timed as they come: the first runs alternate). Each batch computed 8 times, so that under `auto` both kernels'
+    runs are compared with the row alone; `gemv`, `tiled` and `fixed` pin the choice."""
+    got = _differing(checker, TYPES[name], 512, 203, 2, exact=True, GGML_CPU_EXACT_KQUANT=policy,
+                     MATMUL_ROWS_REPEAT="8")
+    assert not any(got.values()), f"{name}, GGML_CPU_EXACT_KQUANT={policy}: rows that differ per batch size {got}"
 
 
 def test_the_check_sees_stock_kernels_differ(checker):
