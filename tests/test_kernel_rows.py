@@ -2,11 +2,11 @@
 
 scripts/matmul_rows.c multiplies random weights of one type by a batch of M rows in one product and checks
 that every row is bit-identical to the same row multiplied alone, for batch sizes on both sides of every
-kernel switch (the one-weight-row tiles below 17 rows, the K-quant gemv below 8 rows, the gemv or the tiled
-kernels from 8 to 63 rows, whichever this CPU runs faster, the tiled kernels above) and weight row counts that
-leave tails after the gemv's groups of 8 rows. The demo models carry only some of these types (no Q5_K, Q4_0, IQ4_NL, BF16 ...): this covers the rest. With
-GGML_CPU_EXACT_ROWS=0 (llama.cpp's stock kernels) the same program must find rows that differ, so the
-check can fail.
+kernel switch (the one-weight-row tiles or tinyBLAS's own below 17 rows, the K-quant gemv below 8 rows, the
+gemv or the tiled kernels from 8 to 63 rows, whichever this CPU runs faster, the tiled kernels above) and
+weight row counts that leave tails after the gemv's groups of 8 rows. The demo models carry only some of
+these types (no Q5_K, Q4_0, IQ4_NL, BF16 ...): this covers the rest. With GGML_CPU_EXACT_ROWS=0 (llama.cpp's
+stock kernels) the same program must find rows that differ, so the check can fail.
 """
 
 from __future__ import annotations
@@ -84,6 +84,17 @@ def test_either_kquant_kernel_gives_the_row_alone(checker, name, policy):
     got = _differing(checker, TYPES[name], 512, 203, 2, exact=True, GGML_CPU_EXACT_KQUANT=policy,
                      MATMUL_ROWS_REPEAT="8")
     assert not any(got.values()), f"{name}, GGML_CPU_EXACT_KQUANT={policy}: rows that differ per batch size {got}"
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q5_0", "IQ4_NL"])
+@pytest.mark.parametrize("policy", ["auto", "onerow", "tinyblas"])
+def test_either_tile_shape_gives_the_row_alone(checker, name, policy):
+    """Batches of 2 to 16 rows of these types run in tinyBLAS's own tiles or in tiles of one weight row by all of
+    the batch's rows, whichever this CPU runs faster (timed as they come); one row always in the latter."""
+    for threads in (2, 3):
+        got = _differing(checker, TYPES[name], 512, 203, threads, exact=True, GGML_CPU_EXACT_Q0=policy,
+                         MATMUL_ROWS_REPEAT="8")
+        assert not any(got.values()), f"{name}, GGML_CPU_EXACT_Q0={policy}: rows that differ per batch size {got}"
 
 
 def test_the_check_sees_stock_kernels_differ(checker):
