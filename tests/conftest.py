@@ -27,7 +27,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from eesd_local.llama import costs, runtime  # noqa: E402
 from eesd_local.tools import registry  # noqa: E402
 
-# llama.cpp's model defaults made safe on AMX CPUs for the tests' llama_cpp.Llama loads too
+# llama.cpp's model defaults made safe on AMX CPUs for the tests' llama_cpp.Llama loads too (and the kernels'
+# choice file named: pytest_configure moves it into the session's own costs folder)
+_CHOICE_FILE_GIVEN = "GGML_CPU_EXACT_CHOICE_FILE" in os.environ
 runtime.setup_process()
 
 QWEN05 = "qwen2.5-coder-0.5b-instruct"
@@ -95,6 +97,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # t(1) 3.4x the quiet figure, once made `auto` draft on every chat prompt of a later bench)
     if "EESD_COSTS_DIR" not in os.environ:
         os.environ["EESD_COSTS_DIR"] = _SESSION_COSTS[0] = tempfile.mkdtemp(prefix="eesd-test-costs-")
+    if not _CHOICE_FILE_GIVEN:
+        # kernel choices timed beside other tests are not this machine's either: the session's own file
+        os.environ["GGML_CPU_EXACT_CHOICE_FILE"] = str(costs.kernel_choice_path())
     if config.getoption("markexpr", "").replace(" ", "") in ("notmodel", "(notmodel)"):
         # the fast tier must stay fast: loading a real model in the test process fails the test
         runtime.Model.__init__ = _tiny_only(runtime.Model.__init__)

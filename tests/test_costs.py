@@ -4,12 +4,13 @@ re-measured when damaged; and the exit head's verdict from it."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 import eesd_local
 from eesd_local.gguf.tiny import write_tiny_gguf
-from eesd_local.llama import costs
+from eesd_local.llama import costs, runtime
 from eesd_local.llama.runtime import default_threads
 from eesd_local.speculative.controllers.thompson import PROFILE_COSTS
 from eesd_local.speculative.drafters import AutoDrafter, LookupDrafter
@@ -252,3 +253,20 @@ def test_the_engine_plans_from_the_kept_profile(tmp_path, isolated_home):
         assert est[8] / est[0] == pytest.approx(bk[9])  # the ratios stay the profile's
     with eesd_local.load(str(path), drafter="none", n_ctx=512) as eng:  # plain decoding plans nothing
         assert eng.controller.fields["batch_costs"] != PROFILE_COSTS
+
+
+def test_kernel_choices_are_kept_beside_the_profiles(isolated_home, monkeypatch):
+    """setup_process points the patched kernels at one file per CPU and build in the costs folder (the test
+    suite's own folder while it runs), and leaves a file the environment names, or an empty value, alone."""
+    monkeypatch.delenv("GGML_CPU_EXACT_CHOICE_FILE", raising=False)
+    runtime.keep_kernel_choices()
+    path = costs.kernel_choice_path()
+    assert os.environ["GGML_CPU_EXACT_CHOICE_FILE"] == str(path)
+    assert path.parent == costs.costs_dir() and path.parent.is_relative_to(isolated_home)
+    assert path.name.startswith("kernels-") and path.suffix == ".txt"
+    monkeypatch.setattr(costs, "_build", lambda: "another build")
+    assert costs.kernel_choice_path() != path  # another build (or CPU) times its kernels again
+    for mine in ("/somewhere/else.txt", ""):
+        monkeypatch.setenv("GGML_CPU_EXACT_CHOICE_FILE", mine)
+        runtime.keep_kernel_choices()
+        assert os.environ["GGML_CPU_EXACT_CHOICE_FILE"] == mine

@@ -101,3 +101,51 @@ def test_either_tile_shape_gives_the_row_alone(checker, name, policy):
 def test_the_check_sees_stock_kernels_differ(checker):
     got = _differing(checker, TYPES["Q4_K"], 512, 203, 2, exact=False)
     assert got[1] == 0 and any(got[m] for m in (8, 16, 33)), got
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("policy", ["auto", "on", "off"])
+def test_either_decode_kernel_gives_the_row_alone(checker, name, policy):
+    """Batches of 1 and 2 K-quant rows run 8 weight rows in vector lanes or one weight row at a time, whichever
+    this CPU runs faster (timed as they come: the rows alone are many one-row products, so under `auto` both
+    kernels compute some of them); `on` and `off` pin it. 203 weight rows leave a tail after the groups of 8."""
+    for threads in (2, 3):
+        got = _differing(checker, TYPES[name], 512, 203, threads, exact=True, GGML_CPU_EXACT_KQUANT_LANES=policy,
+                         MATMUL_ROWS_REPEAT="8")
+        assert not any(got.values()), f"{name}, GGML_CPU_EXACT_KQUANT_LANES={policy}: rows that differ {got}"
+
+
+def _run_logged(checker: Path, type_no: int, choices: Path) -> tuple[dict[int, int], str]:
+    env = dict(os.environ, GGML_CPU_EXACT_ROWS="1", GGML_CPU_EXACT_CHOICE_FILE=str(choices), GGML_CPU_EXACT_CHOICE_LOG="1",
+               MATMUL_ROWS_REPEAT="8")  # 8 runs: every shape decided (at most 3 runs of each kernel)
+    env.pop("GGML_CPU_EXACT_KQUANT", None)
+    env.pop("GGML_CPU_EXACT_KQUANT_LANES", None)
+    res = subprocess.run([str(checker), str(type_no), "512", "203", "2", *SIZES], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert res.returncode in (0, 1), res.stderr
+    got = {int(line.split(" M=")[1].split(":")[0]): int(line.split(": ")[1].split()[0]) for line in res.stdout.splitlines()}
+    return got, res.stderr
+
+
+def test_kept_choices_are_read_back(checker, tmp_path):
+    """GGML_CPU_EXACT_CHOICE_FILE: the first process appends each decision, a second reads them back and times
+    no known shape again; lines it cannot use are skipped; every row stays the row alone."""
+    choices = tmp_path / "kernels.txt"
+    choices.write_text("garbage\nkquant 2 zz 1\nkquant 2 0 1\nkquant 2 ff 7\n")  # none of them usable
+    got, err = _run_logged(checker, TYPES["Q4_K"], choices)
+    assert not any(got.values()), got
+    decided = [ln for ln in err.splitlines() if ln.startswith("exact choice: q4_K")]
+    assert decided, err  # the shapes of 1, 2 and 8 to 63 rows were timed
+    assert "kquant: 0 kept choices for 2 threads" in err, err
+    lines = choices.read_text().splitlines()[4:]
+    assert len(lines) == len(decided), (lines, decided)
+    for ln in lines:
+        table, threads, key, kernel = ln.split()
+        assert table in ("kquant", "kquant-lanes") and threads == "2" and int(key, 16) > 0 and kernel in ("0", "1"), ln
+
+    got, err = _run_logged(checker, TYPES["Q4_K"], choices)
+    assert not any(got.values()), got
+    assert not [ln for ln in err.splitlines() if ln.startswith("exact choice: q4_K")], err  # nothing timed again
+    kept = sum(int(ln.split(": ")[2].split()[0]) for ln in err.splitlines() if " kept choices for " in ln)
+    assert kept == len(lines), err
+    assert choices.read_text().splitlines()[4:] == lines  # nothing appended

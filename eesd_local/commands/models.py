@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -43,7 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                          "and print the median time and B(k) = t(k)/t(1). Several models are measured interleaved. The "
                          "figures are kept as this machine's cost profile of each model (keyed by CPU, threads, llama.cpp "
                          "build and model file), which the engine reads to decide whether the exit head can pay here; "
-                         "run it again to refresh them.")
+                         "run it again to refresh them (the kernels' kept choices for this CPU are forgotten too, and "
+                         "timed again as products come).")
     pc.add_argument("models", nargs="+", metavar="MODEL", help="registry name, NAME:VARIANT or GGUF path")
     pc.add_argument("--max-k", type=int, default=16, help="largest batch (default %(default)s)")
     pc.add_argument("--repeats", type=int, default=12, help="decodes per batch size; the median is reported (default %(default)s)")
@@ -132,6 +134,8 @@ def run_costs(args: argparse.Namespace) -> int:
         _pull_base(name)
     paths = [registry.resolve_model(m) for m in args.models]
     err = Console(stderr=True)
+    if "GGML_CPU_EXACT_CHOICE_FILE" not in os.environ:  # (a file the environment names is the user's to manage)
+        costs.kernel_choice_path().unlink(missing_ok=True)  # timed again, in quiet, with the profile
     with err.status("measuring") as status:
         def progress(done: int, total: int, what: str) -> None:
             status.update(f"measuring {done}/{total}: {what}")

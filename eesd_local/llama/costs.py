@@ -150,6 +150,14 @@ def profile_path(fp: dict[str, Any]) -> Path:
     return costs_dir() / f"{Path(fp['model']['name']).stem}-{key}.json"
 
 
+def kernel_choice_path() -> Path:
+    """Where the batch-invariant kernels keep their choices for this CPU and build (GGML_CPU_EXACT_CHOICE_FILE:
+    the patch times two exact kernels per product shape and appends the faster to it, so a later process runs
+    each known shape's faster kernel from its first batch); beside the cost profiles, so the test suite's are its own."""
+    key = hashlib.sha256(json.dumps({**_cpu(), "build": _build()}, sort_keys=True).encode()).hexdigest()[:16]
+    return costs_dir() / f"kernels-{key}.txt"
+
+
 def _digest(d: dict[str, Any]) -> str:
     """The sha256 of a kept profile's figures (every field but the checksum itself)."""
     return hashlib.sha256(json.dumps({k: v for k, v in d.items() if k != "sha256"}, sort_keys=True).encode()).hexdigest()

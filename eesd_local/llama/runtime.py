@@ -86,12 +86,27 @@ def guard_model_defaults() -> None:
 def setup_process() -> None:
     """The process-wide settings eesd-local runs with, made once (later calls do nothing):
     glibc's malloc thresholds raised so vocabulary-sized arrays reuse heap pages
-    (:func:`memtune.tune`), and llama.cpp's default model parameters made safe on this CPU for
-    every loader in the process (:func:`guard_model_defaults`). Importing this module changes
+    (:func:`memtune.tune`), llama.cpp's default model parameters made safe on this CPU for
+    every loader in the process (:func:`guard_model_defaults`), and the file where the patched
+    kernels keep their per-CPU choices (:func:`keep_kernel_choices`). Importing this module changes
     nothing; every :class:`Model` calls this before it loads, and code that loads models through
     ``llama_cpp.Llama`` in the same process calls it first."""
     memtune.tune()
     guard_model_defaults()
+    keep_kernel_choices()
+
+
+def keep_kernel_choices() -> None:
+    """Point the patched kernels at this CPU's file of kept kernel choices (``GGML_CPU_EXACT_CHOICE_FILE``), unless
+    the environment names one already (an empty value keeps none: every process times its shapes again)."""
+    if "GGML_CPU_EXACT_CHOICE_FILE" in os.environ:
+        return
+    from eesd_local.llama.costs import kernel_choice_path  # noqa: PLC0415 - costs imports this module
+
+    try:
+        os.environ["GGML_CPU_EXACT_CHOICE_FILE"] = str(kernel_choice_path())
+    except EesdError:
+        pass  # no writable cache: each process times its shapes
 
 
 # what the engine says when greedy output is not exact, by cause
