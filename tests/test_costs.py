@@ -10,7 +10,7 @@ import pytest
 
 import eesd_local
 from eesd_local.gguf.tiny import write_tiny_gguf
-from eesd_local.llama import costs, runtime
+from eesd_local.llama import costs, machine, runtime
 from eesd_local.llama.runtime import default_threads
 from eesd_local.speculative.controllers.thompson import PROFILE_COSTS
 from eesd_local.speculative.drafters import AutoDrafter, LookupDrafter
@@ -264,7 +264,7 @@ def test_kernel_choices_are_kept_beside_the_profiles(isolated_home, monkeypatch)
     assert os.environ["GGML_CPU_EXACT_CHOICE_FILE"] == str(path)
     assert path.parent == costs.costs_dir() and path.parent.is_relative_to(isolated_home)
     assert path.name.startswith("kernels-") and path.suffix == ".txt"
-    monkeypatch.setattr(costs, "_build", lambda: "another build")
+    monkeypatch.setattr(machine, "build", lambda: "another build")
     assert costs.kernel_choice_path() != path  # another build (or CPU) times its kernels again
     for mine in ("/somewhere/else.txt", ""):
         monkeypatch.setenv("GGML_CPU_EXACT_CHOICE_FILE", mine)

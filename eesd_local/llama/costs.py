@@ -18,7 +18,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -26,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import llama_cpp.llama_cpp as raw
-
 from eesd_local.base.atomic import write_text_atomic
-from eesd_local.base.paths import cache_dir
 from eesd_local.llama.ggmlapi import offload_device_names
+from eesd_local.llama.machine import build as _build
+from eesd_local.llama.machine import costs_dir, kernel_choice_path  # noqa: F401 - costs' API
+from eesd_local.llama.machine import cpu as _cpu
 from eesd_local.llama.runtime import Context, ContextParams
 
 FORMAT = 1
@@ -42,11 +41,6 @@ PREFIX = 64  # tokens in the cache before each timed decode
 REPEATS = 5
 STEADY = 1.35  # the spread of one batch size's timings a quiet machine stays within (steady())
 BUDGET_S = 8.0  # most seconds a measurement at load time takes (0.5B here: ~2 s, 1.5B: ~5 s)
-# flags that select ggml's CPU kernels (and so B(k)); other flags do not matter here
-_KERNEL_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-                 "avx_vnni", "amx_int8", "amx_bf16", "asimd", "sve", "i8mm")
-
-
 @dataclass
 class CostProfile:
     t1_ms: float  # one token's decode
@@ -84,40 +78,6 @@ class CostProfile:
         return f"t(1) {self.t1_ms:.1f} ms, " + ", ".join(f"B({k}) {v:.2f}" for k, v in sorted(self.bk.items()) if k > 1)
 
 
-def _cpu() -> dict[str, Any]:
-    name, flags = "", set[str]()
-    try:
-        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key in ("model name", "Model", "CPU part") and not name:
-                name = value.strip()
-            elif key in ("flags", "Features") and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    if not name:
-        name = platform.processor() or platform.machine()
-    return {"cpu": name, "flags": sorted(f for f in _KERNEL_FLAGS if f in flags), "cores": os.cpu_count()}
-
-
-def _build() -> str:
-    """The llama.cpp build: scripts/llama_build.py's record of it, else its CPU library's size and time."""
-    lib = Path(raw._base_path)
-    info = lib / "eesd-build.json"
-    if info.is_file():
-        try:
-            d = json.loads(info.read_text())
-            return f"{d.get('version')}:{d.get('key')}:{d.get('patch', '')[:16]}"
-        except (OSError, ValueError):
-            pass
-    sig = []
-    for p in sorted(lib.glob("libggml-cpu*")) + sorted(lib.glob("libllama*")):
-        st = p.stat()
-        sig.append(f"{p.name}:{st.st_size}:{st.st_mtime_ns}")
-    return ";".join(sig)
-
-
 def fingerprint(model_path: str | os.PathLike[str], *, n_threads: int, n_gpu_layers: int = 0,
                 rpc: Sequence[str] = ()) -> dict[str, Any]:
     p = Path(model_path).resolve()
@@ -134,28 +94,9 @@ def fingerprint(model_path: str | os.PathLike[str], *, n_threads: int, n_gpu_lay
     return fp
 
 
-def costs_dir() -> Path:
-    """Where profiles are kept: the cache's ``costs/``, or ``EESD_COSTS_DIR`` where set (the test suite sets
-    its own: batch costs timed while tests run beside other work must never become the user's profile)."""
-    override = os.environ.get("EESD_COSTS_DIR")
-    if override:
-        path = Path(override)
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-    return cache_dir("costs")
-
-
 def profile_path(fp: dict[str, Any]) -> Path:
     key = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
     return costs_dir() / f"{Path(fp['model']['name']).stem}-{key}.json"
-
-
-def kernel_choice_path() -> Path:
-    """Where the batch-invariant kernels keep their choices for this CPU and build (GGML_CPU_EXACT_CHOICE_FILE:
-    the patch times two exact kernels per product shape and appends the faster to it, so a later process runs
-    each known shape's faster kernel from its first batch); beside the cost profiles, so the test suite's are its own."""
-    key = hashlib.sha256(json.dumps({**_cpu(), "build": _build()}, sort_keys=True).encode()).hexdigest()[:16]
-    return costs_dir() / f"kernels-{key}.txt"
 
 
 def _digest(d: dict[str, Any]) -> str:

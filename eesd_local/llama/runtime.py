@@ -32,6 +32,7 @@ from eesd_local.base.errors import ContextFullError, EesdError
 from eesd_local.gguf.check import check_gguf
 from eesd_local.llama import memtune
 from eesd_local.llama.ggmlapi import EXACT_ALL, exact_rows, ggml_symbol, init_backend, offload_devices, rpc_failures
+from eesd_local.llama.machine import kernel_choice_path
 from eesd_local.llama.rpc import RpcError, add_servers
 
 
@@ -101,8 +102,6 @@ def keep_kernel_choices() -> None:
     the environment names one already (an empty value keeps none: every process times its shapes again)."""
     if "GGML_CPU_EXACT_CHOICE_FILE" in os.environ:
         return
-    from eesd_local.llama.costs import kernel_choice_path  # noqa: PLC0415 - costs imports this module
-
     try:
         os.environ["GGML_CPU_EXACT_CHOICE_FILE"] = str(kernel_choice_path())
     except EesdError:
