@@ -8,9 +8,10 @@ The conversations are built once, in this process, by plain greedy decoding (eac
 tokens, its text as the next turn's history, as `eesd bench` keeps a method's own answers). Then each run starts
 both servers in turn (order alternating run by run; llama-server as `eesd bench` starts it: stock kernels,
 `--no-repack` on an AMX CPU, `cache_prompt` on), warms each with one request, and sends every turn of every item
-as a token prompt to the streamed `/v1/completions`, one token asked: a later turn's time to its first chunk is
-what a client waits for there (the prompt's new tokens, the prefix reused). It prints each later turn's seconds and
-their sum per server and run. Nothing else should run beside it.
+as a token prompt to the streamed `/v1/completions`, greedy, --answer tokens asked (so the server decodes the
+answer itself, as in a chat, and holds it in its cache when the next turn comes): a later turn's time to its first
+chunk is what a client waits for there (the prompt's new tokens, the prefix reused). It prints each later turn's
+seconds and their sum per server and run. Nothing else should run beside it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import eesd_local
@@ -57,10 +57,11 @@ def _server(which: str, path: Path, drafter: str) -> ServerProcess:
     return ServerProcess(argv, port, "llama-server", env={**os.environ, **STOCK_ENV})
 
 
-def _first(server: ServerProcess, prompt: list[int]) -> float:
-    t0 = time.perf_counter()
-    server.post_stream("/v1/completions", {"prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True})
-    return time.perf_counter() - t0
+def _first(server: ServerProcess, prompt: list[int], answer: int) -> float:
+    """Seconds from the request to the first chunk with text."""
+    _, first, *_ = server.post_stream("/v1/completions", {"prompt": prompt, "max_tokens": answer, "temperature": 0,
+                                                          "stream": True})
+    return first
 
 
 def main() -> int:
@@ -90,10 +91,10 @@ def main() -> int:
         for which in order:
             server = _server(which, path, args.drafter)
             try:
-                _first(server, convs[0][1][0][:32])  # warm-up
+                _first(server, convs[0][1][0][:32], 4)  # warm-up
                 later = []
                 for _, prompts in convs:
-                    times = [_first(server, p) for p in prompts]
+                    times = [_first(server, p, args.answer) for p in prompts]
                     later += times[1:]
             finally:
                 server.stop()
