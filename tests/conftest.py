@@ -24,7 +24,7 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 # tests fair on a shared machine (results are the same either way)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from eesd_local.llama import costs, runtime  # noqa: E402
+from eesd_local.llama import costs, machine, runtime  # noqa: E402
 from eesd_local.tools import registry  # noqa: E402
 
 # llama.cpp's model defaults made safe on AMX CPUs for the tests' llama_cpp.Llama loads too (and the kernels'
@@ -99,7 +99,7 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["EESD_COSTS_DIR"] = _SESSION_COSTS[0] = tempfile.mkdtemp(prefix="eesd-test-costs-")
     if not _CHOICE_FILE_GIVEN:
         # kernel choices timed beside other tests are not this machine's either: the session's own file
-        os.environ["GGML_CPU_EXACT_CHOICE_FILE"] = str(costs.kernel_choice_path())
+        os.environ["GGML_CPU_EXACT_CHOICE_FILE"] = str(machine.kernel_choice_path())
     if config.getoption("markexpr", "").replace(" ", "") in ("notmodel", "(notmodel)"):
         # the fast tier must stay fast: loading a real model in the test process fails the test
         runtime.Model.__init__ = _tiny_only(runtime.Model.__init__)

@@ -260,12 +260,12 @@ def test_kernel_choices_are_kept_beside_the_profiles(isolated_home, monkeypatch)
     suite's own folder while it runs), and leaves a file the environment names, or an empty value, alone."""
     monkeypatch.delenv("GGML_CPU_EXACT_CHOICE_FILE", raising=False)
     runtime.keep_kernel_choices()
-    path = costs.kernel_choice_path()
+    path = machine.kernel_choice_path()
     assert os.environ["GGML_CPU_EXACT_CHOICE_FILE"] == str(path)
-    assert path.parent == costs.costs_dir() and path.parent.is_relative_to(isolated_home)
+    assert path.parent == machine.costs_dir() and path.parent.is_relative_to(isolated_home)
     assert path.name.startswith("kernels-") and path.suffix == ".txt"
     monkeypatch.setattr(machine, "build", lambda: "another build")
-    assert costs.kernel_choice_path() != path  # another build (or CPU) times its kernels again
+    assert machine.kernel_choice_path() != path  # another build (or CPU) times its kernels again
     for mine in ("/somewhere/else.txt", ""):
         monkeypatch.setenv("GGML_CPU_EXACT_CHOICE_FILE", mine)
         runtime.keep_kernel_choices()

@@ -53,11 +53,15 @@ def _differing(checker: Path, type_no: int, k: int, n: int, threads: int, exact:
     res = subprocess.run([str(checker), str(type_no), str(k), str(n), str(threads), *SIZES], capture_output=True,
                          text=True, env=env, timeout=300)
     assert res.returncode in (0, 1), res.stderr
+    return _rows_differing(res.stdout)
+
+
+def _rows_differing(stdout: str) -> dict[int, int]:
     got = {}
-    for line in res.stdout.splitlines():  # "<type> K=.. N=.. threads=.. exact=.. M=m: d of m rows differ"
+    for line in stdout.splitlines():  # "<type> K=.. N=.. threads=.. exact=.. M=m: d of m rows differ"
         m = int(line.split(" M=")[1].split(":")[0])
         got[m] = int(line.split(": ")[1].split()[0])
-    assert sorted(got) == sorted(int(s) for s in SIZES), res.stdout
+    assert sorted(got) == sorted(int(s) for s in SIZES), stdout
     return got
 
 
@@ -123,8 +127,7 @@ def _run_logged(checker: Path, type_no: int, choices: Path) -> tuple[dict[int, i
     res = subprocess.run([str(checker), str(type_no), "512", "203", "2", *SIZES], capture_output=True, text=True, env=env,
                          timeout=300)
     assert res.returncode in (0, 1), res.stderr
-    got = {int(line.split(" M=")[1].split(":")[0]): int(line.split(": ")[1].split()[0]) for line in res.stdout.splitlines()}
-    return got, res.stderr
+    return _rows_differing(res.stdout), res.stderr
 
 
 def test_kept_choices_are_read_back(checker, tmp_path):

@@ -17,7 +17,7 @@ from eesd_local.base.atomic import check_overwrite, write_text_atomic
 from eesd_local.base.errors import EesdError
 from eesd_local.base.params import MAX_THREADS, check_int, check_optional_int
 from eesd_local.base.paths import cache_dir
-from eesd_local.llama import catalog, costs
+from eesd_local.llama import catalog, costs, machine
 from eesd_local.llama.catalog import VARIANTS, variant_path
 from eesd_local.tools import registry
 from eesd_local.tools.bench.prompts import heldout_texts
@@ -135,7 +135,7 @@ def run_costs(args: argparse.Namespace) -> int:
     paths = [registry.resolve_model(m) for m in args.models]
     err = Console(stderr=True)
     if "GGML_CPU_EXACT_CHOICE_FILE" not in os.environ:  # (a file the environment names is the user's to manage)
-        costs.kernel_choice_path().unlink(missing_ok=True)  # timed again, in quiet, with the profile
+        machine.kernel_choice_path().unlink(missing_ok=True)  # timed again, in quiet, with the profile
     with err.status("measuring") as status:
         def progress(done: int, total: int, what: str) -> None:
             status.update(f"measuring {done}/{total}: {what}")

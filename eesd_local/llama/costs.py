@@ -28,7 +28,7 @@ from typing import Any
 from eesd_local.base.atomic import write_text_atomic
 from eesd_local.llama.ggmlapi import offload_device_names
 from eesd_local.llama.machine import build as _build
-from eesd_local.llama.machine import costs_dir, kernel_choice_path  # noqa: F401 - costs' API
+from eesd_local.llama.machine import costs_dir
 from eesd_local.llama.machine import cpu as _cpu
 from eesd_local.llama.runtime import Context, ContextParams
 
@@ -41,6 +41,8 @@ PREFIX = 64  # tokens in the cache before each timed decode
 REPEATS = 5
 STEADY = 1.35  # the spread of one batch size's timings a quiet machine stays within (steady())
 BUDGET_S = 8.0  # most seconds a measurement at load time takes (0.5B here: ~2 s, 1.5B: ~5 s)
+
+
 @dataclass
 class CostProfile:
     t1_ms: float  # one token's decode
