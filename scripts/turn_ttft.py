@@ -27,7 +27,7 @@ from eesd_local.llama.catalog import resolve_model
 from eesd_local.llama.runtime import Model
 from eesd_local.speculative.engine import Engine
 from eesd_local.speculative.events import TokenEvent
-from eesd_local.tools.bench.servers import STOCK_ENV, ServerProcess, free_port, llama_server_argv
+from eesd_local.tools.bench.servers import STOCK_ENV, ServerProcess, eesd_serve_argv, free_port, llama_server_argv
 
 
 def main() -> int:
@@ -52,8 +52,7 @@ def main() -> int:
 def _over_http(path: Path, args: argparse.Namespace) -> list[float]:
     port = free_port()
     if args.server == "eesd":
-        argv = [sys.executable, "-m", "eesd_local.cli", "serve", str(path), "--port", str(port), "--drafter", args.drafter,
-                "--n-ctx", "4096", "--n-threads", "2", "--log-level", "warning"]
+        argv = eesd_serve_argv(path, port, drafter=args.drafter, n_ctx=4096, n_threads=2)
         env = None
     else:
         argv = llama_server_argv(path, port, spec_type=None, draft_model=None, n_ctx=4096, n_threads=2, n_gpu_layers=0)

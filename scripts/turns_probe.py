@@ -24,7 +24,7 @@ from pathlib import Path
 import eesd_local
 from eesd_local.llama.catalog import resolve_model
 from eesd_local.tools.bench.prompts import load_prompts
-from eesd_local.tools.bench.servers import STOCK_ENV, ServerProcess, free_port, llama_server_argv
+from eesd_local.tools.bench.servers import STOCK_ENV, ServerProcess, eesd_serve_argv, free_port, llama_server_argv
 
 
 def _conversations(path: Path, sets: str, n: int, answer: int) -> list[tuple[str, list[list[int]]]]:
@@ -50,8 +50,7 @@ def _conversations(path: Path, sets: str, n: int, answer: int) -> list[tuple[str
 def _server(which: str, path: Path, drafter: str) -> ServerProcess:
     port = free_port()
     if which == "eesd":
-        argv = [sys.executable, "-m", "eesd_local.cli", "serve", str(path), "--port", str(port), "--drafter", drafter,
-                "--n-ctx", "4096", "--n-threads", "2", "--log-level", "warning"]
+        argv = eesd_serve_argv(path, port, drafter=drafter, n_ctx=4096, n_threads=2)
         return ServerProcess(argv, port, "eesd serve")
     argv = llama_server_argv(path, port, spec_type=None, draft_model=None, n_ctx=4096, n_threads=2, n_gpu_layers=0)
     return ServerProcess(argv, port, "llama-server", env={**os.environ, **STOCK_ENV})

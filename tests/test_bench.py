@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import sys
 import threading
 
 import pytest
@@ -396,3 +397,19 @@ def test_llama_server_keeps_the_engines_weight_buffers(monkeypatch, tmp_path):
         argv[env] = servers.llama_server_argv(model, 8080, spec_type=None, draft_model=None, n_ctx=4096, n_threads=2,
                                               n_gpu_layers=0)
     assert "--no-repack" in argv["0"] and "--no-repack" not in argv["1"]
+
+
+def test_eesd_serve_argv_is_what_eesd_serve_parses(tmp_path):
+    """The one command line the bench and the probe scripts start ``eesd serve`` with parses as `eesd serve`'s own
+    options, each value where it was meant to go."""
+    model, draft = tmp_path / "m.gguf", tmp_path / "d.gguf"
+    argv = servers.eesd_serve_argv(model, 8123, drafter="draft-model", n_ctx=2048, n_threads=3, n_gpu_layers=5,
+                                   draft_max=17, draft_model=draft, rpc=("10.0.0.2:50052",))
+    assert argv[:4] == [sys.executable, "-m", "eesd_local.cli", "serve"]
+    args = cli.build_parser(argv[3:]).parse_args(argv[3:])
+    assert (args.command, args.model, args.host, args.port, args.drafter) == ("serve", str(model), "127.0.0.1", 8123,
+                                                                               "draft-model")
+    assert (args.n_ctx, args.n_threads, args.n_gpu_layers, args.draft_max) == (2048, 3, 5, 17)
+    assert args.draft_model == str(draft) and args.log_level == "warning"
+    plain = cli.build_parser(["serve"]).parse_args(servers.eesd_serve_argv(model, 1, drafter="none", n_ctx=4096, n_threads=2)[3:])
+    assert plain.draft_model is None and plain.drafter == "none"

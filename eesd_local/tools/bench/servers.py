@@ -284,6 +284,22 @@ def llama_server_argv(model_path: Path, port: int, *, spec_type: str | None, dra
     return argv
 
 
+def eesd_serve_argv(model_path: Path, port: int, *, drafter: str, n_ctx: int, n_threads: int, n_gpu_layers: int = 0,
+                    draft_max: int | None = None, draft_model: Path | None = None, rpc: tuple[str, ...] = ()) -> list[str]:
+    """``eesd serve`` as the peers are started: this interpreter, 127.0.0.1, warnings only (the one place
+    the benchmark and the probe scripts build its command line)."""
+    argv = [sys.executable, "-m", "eesd_local.cli", "serve", str(model_path), "--host", "127.0.0.1", "--port", str(port),
+            "--drafter", drafter, "--n-ctx", str(n_ctx), "--n-threads", str(n_threads), "--n-gpu-layers", str(n_gpu_layers),
+            "--log-level", "warning"]
+    if draft_max is not None:
+        argv += ["--draft-max", str(draft_max)]
+    if draft_model is not None:
+        argv += ["--draft-model", str(draft_model)]
+    if rpc:
+        argv += ["--rpc", ",".join(rpc)]
+    return argv
+
+
 def peer_unusable(spec_type: str, draft_model: str | None) -> str | None:
     """Why llama-server cannot run this spec type on the benchmark's model (None: it can)."""
     if spec_type in HEAD_SPEC_TYPES:
@@ -387,17 +403,9 @@ class HttpPeer(_ServerPeer):
             self._env = None
             drafter = spec.server_spec or "auto"
 
-            def eesd_argv(port: int) -> list[str]:
-                argv = [sys.executable, "-m", "eesd_local.cli", "serve", str(model_path), "--host", "127.0.0.1", "--port",
-                        str(port), "--drafter", drafter, "--n-ctx", str(n_ctx), "--n-threads", str(n_threads),
-                        "--n-gpu-layers", str(n_gpu_layers), "--draft-max", str(draft_max), "--log-level", "warning"]
-                if drafter in ("draft-model",) and draft_model is not None:
-                    argv += ["--draft-model", str(draft_model)]
-                if rpc:
-                    argv += ["--rpc", ",".join(rpc)]
-                return argv
-
-            self._argv = eesd_argv
+            self._argv = lambda port: eesd_serve_argv(model_path, port, drafter=drafter, n_ctx=n_ctx, n_threads=n_threads,
+                                                      n_gpu_layers=n_gpu_layers, draft_max=draft_max, rpc=rpc,
+                                                      draft_model=draft_model if drafter == "draft-model" else None)
             self.drafter = f"eesd serve --drafter {drafter}"
         self.server = self._start()
         self.model_bytes = model_path.stat().st_size
