@@ -307,3 +307,59 @@ def test_a_50000_character_prompt_on_the_command_line(qwen05_path, tmp_path):
     dense = ("def add(a, b):\n    return a + b\n\n" * 2000)[:50_000]  # ~18,000 tokens: more than the default context
     r = eesd("generate", "--model", QWEN05, "--drafter", "lookup", "-n", "4", "-p", dense, env={"EESD_HOME": str(home)})
     one_line_error(r, "tokens but the context holds 4096", "--n-ctx")
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (from /proc)."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_stops_the_bench_as_ctrl_c_does(tiny, isolated_home, tmp_path):
+    """A plain `kill` of `eesd bench` left its `eesd serve` peers running (they have their own process group) and
+    wrote nothing: now it stops like Ctrl-C, the servers with it, what was measured written, exit 143."""
+    out, log = tmp_path / "out.json", tmp_path / "err.log"
+    argv = [sys.executable, "-m", "eesd_local.cli", "bench", "--model", str(tiny), "--prompts", "code", "--n-prompts", "0",
+            "--methods", "none,serve:eesd:none", "--max-tokens", "16", "--repeats", "50", "--warmup-tokens", "0",
+            "--cost-repeats", "0", "--n-ctx", "2048", "--json", str(out)]
+    with log.open("w") as err:
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err)
+    servers: list[int] = []
+    try:
+        deadline = time.monotonic() + 180
+        while " runs (" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)  # a line a finished prompt: both methods have run once
+        assert proc.poll() is None, log.read_text()[-2000:]
+        servers = [p for p in _children(proc.pid) if b"serve" in (Path("/proc") / str(p) / "cmdline").read_bytes()]
+        assert servers, "no eesd serve peer was running"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143, log.read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    for _ in range(50):
+        if not any(_alive(p) for p in servers):
+            break
+        time.sleep(0.2)
+    left = [p for p in servers if _alive(p)]
+    for p in left:  # (not left running when the test fails)
+        os.kill(p, signal.SIGKILL)
+    assert not left, "the bench's eesd serve outlived it"
+    data = json.loads(out.read_text())
+    assert data["run"]["complete"] is False and data["run"]["runs_done"] >= 2
+    assert "interrupted" in log.read_text() and "Traceback" not in log.read_text()

@@ -20,6 +20,7 @@ from rich.table import Table
 from eesd_local.base.atomic import check_overwrite, write_text_atomic
 from eesd_local.base.defaults import BENCH_MAX_TOKENS, BENCH_SEED, DRAFT_MAX, N_CTX, TEMPERATURE, TOP_K, TOP_P
 from eesd_local.base.errors import EesdError
+from eesd_local.base.interrupts import terminate_as_interrupt
 from eesd_local.commands.models import pull_with_progress
 from eesd_local.commands.options import endpoints_arg
 from eesd_local.llama.catalog import DEFAULT_MODEL, known_models
@@ -167,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
             left = spent / max(done, 1) * (total - done)
             err.print(f"{done}/{total} runs ({what}), {spent / 60:.1f} min so far, about {left / 60:.1f} min left", highlight=False)
 
-        res = run_bench(cfg, progress)
+        with terminate_as_interrupt():  # a plain `kill` stops it as Ctrl-C does: servers stopped, what was measured kept
+            res = run_bench(cfg, progress)
     summary = report.summarize(res)
     out = Console() if sys.stdout.isatty() else Console(width=160)  # a file or pipe gets whole tables
     if not res.complete:
@@ -207,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
         for path in write_plots(res, summary, Path(args.plots), Path(res.model_path).stem):
             err.print(f"wrote {path}")
     if not res.complete:
-        return 130
+        return res.exit_code or 130
     if args.require_exact:
         failures = report.exactness_failures(res, summary)
         for line in failures:

@@ -132,6 +132,7 @@ class Results:
     runs: list[Run] = field(default_factory=list)
     n_planned: int = 0
     complete: bool = False
+    exit_code: int = 0  # an interrupted run's: 130 for Ctrl-C, 143 for SIGTERM (base.interrupts.Terminated)
     peak_rss_bytes: int | None = None
     categories: list[str] = field(default_factory=list)
     batch_costs: dict | None = None  # weights.CostTable.to_json() of the model, measured before the prompts
@@ -423,8 +424,9 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> Results:
                     res.runs.append(run)
                 report(done, res.n_planned, f"{item.category}/{item.id} done")
         res.complete = True
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         res.complete = False
+        res.exit_code = getattr(exc, "exit_code", 130)
     finally:
         res.peak_rss_bytes = peak_rss_bytes()
         for m in reversed(methods):
