@@ -73,6 +73,16 @@ def test_every_row_of_a_batch_is_the_row_alone(checker, name):
         assert not any(got.values()), f"{name}, {threads} threads: rows that differ per batch size {got}"
 
 
+@pytest.mark.parametrize("k, n", [(512, 204), (2048, 132), (4096, 36)])
+def test_the_f16_gemv_gives_tinyblas_rows(checker, k, n):
+    """One row of an F16 product (attention's K*Q and V*KQ in a decode) takes the patch's own gemv where the weight
+    rows are a multiple of 4, 8 rows at once with one accumulator each; a batch takes tinyBLAS. Row counts with a
+    tail after the groups of 8 and long rows (V*KQ at a long context: K = the context's length)."""
+    for threads in (1, 2, 3):
+        got = _differing(checker, TYPES["F16"], k, n, threads, exact=True)
+        assert not any(got.values()), f"F16 {k} x {n}, {threads} threads: rows that differ per batch size {got}"
+
+
 def test_long_runs_of_weight_rows_too(checker):
     """A larger matrix: the gemv's runs of weight rows are longer than 16 (62 rows here) and end in a tail."""
     for name in ("Q4_K", "Q6_K"):
