@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 import eesd_local
@@ -309,24 +310,10 @@ def test_a_50000_character_prompt_on_the_command_line(qwen05_path, tmp_path):
     one_line_error(r, "tokens but the context holds 4096", "--n-ctx")
 
 
-def _children(pid: int) -> list[int]:
-    """Processes whose parent is ``pid`` (from /proc)."""
-    kids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(entry.name))
-    return kids
-
-
-def _alive(pid: int) -> bool:
+def _alive(p: psutil.Process) -> bool:
     try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
 
 
@@ -339,26 +326,28 @@ def test_sigterm_stops_the_bench_as_ctrl_c_does(tiny, isolated_home, tmp_path):
             "--cost-repeats", "0", "--n-ctx", "2048", "--json", str(out)]
     with log.open("w") as err:
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err)
-    servers: list[int] = []
+    servers: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 180
         while " runs (" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)  # a line a finished prompt: both methods have run once
         assert proc.poll() is None, log.read_text()[-2000:]
-        servers = [p for p in _children(proc.pid) if b"serve" in (Path("/proc") / str(p) / "cmdline").read_bytes()]
+        servers = [p for p in psutil.Process(proc.pid).children() if "serve" in p.cmdline()]
         assert servers, "no eesd serve peer was running"
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 143, log.read_text()[-2000:]
+        rc = proc.wait(timeout=60)
+        for _ in range(50):
+            if not any(_alive(p) for p in servers):
+                break
+            time.sleep(0.2)
+        left = [p for p in servers if _alive(p)]
     finally:
         if proc.poll() is None:
             proc.kill()
-    for _ in range(50):
-        if not any(_alive(p) for p in servers):
-            break
-        time.sleep(0.2)
-    left = [p for p in servers if _alive(p)]
-    for p in left:  # (not left running when the test fails)
-        os.kill(p, signal.SIGKILL)
+        for p in servers:  # never left running, whatever failed
+            if _alive(p):
+                p.kill()
+    assert rc == 143, log.read_text()[-2000:]
     assert not left, "the bench's eesd serve outlived it"
     data = json.loads(out.read_text())
     assert data["run"]["complete"] is False and data["run"]["runs_done"] >= 2
