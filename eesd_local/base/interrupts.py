@@ -10,6 +10,10 @@ lands in another callback, the same happens again: each time the C side has move
 hook keeps quiet about llvmlite objects whose construction such an interrupt cut short: their
 ``__del__`` fails on a missing attribute with nothing to free. :class:`Terminated` is SIGTERM raised
 the same way (exit 143) where a command asks for it.
+
+:class:`SignalHold` holds SIGINT and SIGTERM back over code that must not see them raised inside it
+(numba's C extensions while they import: one prints the KeyboardInterrupt and raises an ImportError in its
+place; llvmlite's callbacks while numba compiles) and delivers them once it is left.
 """
 
 from __future__ import annotations
@@ -78,6 +82,63 @@ def terminate_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class SignalHold:
+    """On the main thread, between :meth:`hold` and :meth:`release` (nested holds counted), SIGINT and SIGTERM
+    with a Python handler are recorded instead of handled, then raised again once the outermost hold is
+    released, with the handlers put back. Python runs signal handlers on the main thread only, so a hold on
+    another thread does nothing (and needs nothing)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.saved: dict[int, Any] = {}
+        self.pending: list[int] = []
+
+    def _record(self, signum: int, frame: object) -> None:
+        if signum not in self.pending:
+            self.pending.append(signum)
+
+    def hold(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self.depth += 1
+        if self.depth > 1:
+            return
+        self.saved, self.pending = {}, []
+        for sig in HELD_SIGNALS:
+            old = signal.getsignal(sig)
+            if callable(old):
+                self.saved[sig] = old
+                signal.signal(sig, self._record)
+
+    def release(self) -> None:
+        if threading.current_thread() is not threading.main_thread() or self.depth == 0:
+            return
+        self.depth -= 1
+        if self.depth:
+            return
+        for sig, old in self.saved.items():
+            if signal.getsignal(sig) == self._record:  # nobody replaced it meanwhile
+                signal.signal(sig, old)
+        self.saved = {}
+        pending, self.pending = self.pending, []
+        for sig in pending:
+            signal.raise_signal(sig)  # the handler runs now, outside what was held
+
+
+@contextlib.contextmanager
+def signals_held(hold: SignalHold | None = None) -> Iterator[None]:
+    """SIGINT and SIGTERM meanwhile held and delivered on leaving (see :class:`SignalHold`)."""
+    hold = hold or SignalHold()
+    hold.hold()
+    try:
+        yield
+    finally:
+        hold.release()
 
 
 def keep_interrupts() -> None:

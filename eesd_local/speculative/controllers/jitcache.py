@@ -20,7 +20,8 @@ SIGTERM whose handler is Python's is held and delivered once the lock is release
 listening only while one of these kernels compiles or loads: importing registers nothing, and other
 Numba code in the process compiles as before): the handler would otherwise raise inside llvmlite's ctypes callbacks, whose C
 side then goes on with what the callback never returned (a segmentation fault, seen 1 in ~150 Ctrl-Cs
-landing while eesd-chat loads).
+landing while eesd-chat loads). Importing Numba holds them the same way (its C extensions print an
+interrupt and raise an ImportError in its place).
 """
 
 from __future__ import annotations
@@ -28,63 +29,35 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numba
-from numba.core import caching, event, sigutils
-from numba.core.ccallback import CFunc
-from numba.core.dispatcher import Dispatcher
-
 from eesd_local.base import cachefile
+from eesd_local.base.interrupts import SignalHold, signals_held
 
-HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# Numba's C extensions must not see a Ctrl-C while they import: numba._dispatcher prints the
+# KeyboardInterrupt's traceback and raises "ImportError: numba._devicearray failed to import" instead
+with signals_held():
+    import numba
+    from numba.core import caching, event, sigutils
+    from numba.core.ccallback import CFunc
+    from numba.core.dispatcher import Dispatcher
 
 
 class HoldSignals(event.Listener):
-    """Numba's "numba:compiler_lock" events: on the main thread, while the lock is held (nested holds counted),
-    SIGINT and SIGTERM with a Python handler are recorded instead of handled, then raised again once it is
-    released, with the handler put back. Python runs signal handlers on the main thread only, so compiles on
-    other threads need nothing."""
+    """Numba's "numba:compiler_lock" events: while the lock is held on the main thread, SIGINT and SIGTERM
+    are held (:class:`~eesd_local.base.interrupts.SignalHold`) and delivered once it is released."""
 
     def __init__(self) -> None:
-        self.depth = 0
-        self.saved: dict[int, Any] = {}
-        self.pending: list[int] = []
-
-    def _hold(self, signum: int, frame: object) -> None:
-        if signum not in self.pending:
-            self.pending.append(signum)
+        self.signals = SignalHold()
 
     def on_start(self, ev: event.Event) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return
-        self.depth += 1
-        if self.depth > 1:
-            return
-        self.saved, self.pending = {}, []
-        for sig in HELD_SIGNALS:
-            old = signal.getsignal(sig)
-            if callable(old):
-                self.saved[sig] = old
-                signal.signal(sig, self._hold)
+        self.signals.hold()
 
     def on_end(self, ev: event.Event) -> None:
-        if threading.current_thread() is not threading.main_thread() or self.depth == 0:
-            return
-        self.depth -= 1
-        if self.depth:
-            return
-        for sig, old in self.saved.items():
-            if signal.getsignal(sig) == self._hold:  # nobody replaced it meanwhile
-                signal.signal(sig, old)
-        self.saved = {}
-        for sig in self.pending:
-            signal.raise_signal(sig)  # the handler runs now, outside Numba's lock and llvmlite's callbacks
-        self.pending = []
+        self.signals.release()
 
 
 _HOLD = HoldSignals()
