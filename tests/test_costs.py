@@ -186,6 +186,27 @@ def test_auto_runs_a_head_that_can_pay_on_the_shared_trunk(monkeypatch):
         assert eng.trunk is not None and "shared trunk" in eng.drafter_note
 
 
+@pytest.mark.model
+@pytest.mark.parametrize("pays", [True, False], ids=["pays", "disturbed"])
+def test_auto_with_no_kept_profile_measures_it_before_it_plans_the_trunk(monkeypatch, tmp_path, pays):
+    """A new build or machine has no kept profile: the plan (a split target or a whole one) was made without it, so
+    a head that pays ran as a separate draft model beside a whole target (each server's first start after a new
+    build: auto at 0.73-0.84 of plain llama-server on chat). Now the profile is measured first, once per load."""
+    calls = []
+    paying = {k: (1.0 if k == 1 else 1.05 + 0.05 * (k - 2)) for k in costs.KS}
+    disturbed = {1: 1.0, 2: 0.2, 3: 0.16, 8: 2.8, 9: 2.0}
+    monkeypatch.setenv("EESD_COSTS_DIR", str(tmp_path))  # none kept
+    monkeypatch.setattr(costs, "measure", lambda model, **kw: (calls.append(1) or 20.0, paying if pays else disturbed, True))
+    monkeypatch.setattr(costs, "_unkept", {})
+    with eesd_local.load("qwen2.5-coder-0.5b-instruct", drafter="auto") as eng:
+        assert len(calls) == 1, calls  # the set-up's plan and the engine's ask: measured once
+        if pays:
+            assert isinstance(eng.drafter, AutoDrafter) and eng.trunk is not None and "shared trunk" in eng.drafter_note
+        else:
+            assert type(eng.drafter) is LookupDrafter and eng.trunk is None and "off for now" in eng.drafter_note
+        assert eng.run("def add(a, b):\n    return a + b\n\ndef add(a, b):\n", max_tokens=8).stats.n_generated == 8
+
+
 def test_a_disturbed_measurement_is_not_kept_nor_decided_from(fake, monkeypatch):
     model, calls = fake
     monkeypatch.setattr(costs, "measure", lambda model, **kw: (calls.append(1) or 634.0, {1: 1.0, 2: 0.2, 3: 0.16, 8: 2.8, 9: 2.0},
@@ -195,6 +216,9 @@ def test_a_disturbed_measurement_is_not_kept_nor_decided_from(fake, monkeypatch)
     assert not costs.profile_path(costs.fingerprint(model.path, n_threads=2)).exists()
     v = costs.head_verdict(prof, agreement=0.9, exit_layer=5, n_layer=24, k_max=8)
     assert not v.pays and v.note.startswith("exit head: off for now")
+    costs.profile(model, n_threads=2)
+    assert len(calls) == 1  # the same load asks again (the trunk plan, then the drafter): not measured twice
+    monkeypatch.setattr(costs, "UNKEPT_REUSE_S", 0.0)
     costs.profile(model, n_threads=2)
     assert len(calls) == 2  # measured again next time
 

@@ -205,15 +205,25 @@ def measure(model: Any, *, n_threads: int, ks: Sequence[int] = KS, repeats: int 
     return 1e3 * med[1], {k: round(med[k] / med[1], 4) for k in ks}, calm(times)
 
 
+# a profile measured under other work is not kept; this process uses it this long (one engine's load asks
+# twice: for the shared-trunk plan, then for the drafter), then measures again
+UNKEPT_REUSE_S = 120.0
+_unkept: dict[str, tuple[float, CostProfile]] = {}
+
+
 def profile(model: Any, *, n_threads: int, n_gpu_layers: int = 0, rpc: Sequence[str] = (), refresh: bool = False,
             progress: Progress | None = None) -> CostProfile:
     """The kept profile of ``model`` here, measured now (and kept) where none matches."""
     fp = fingerprint(model.path, n_threads=n_threads, n_gpu_layers=n_gpu_layers, rpc=rpc)
+    key = str(profile_path(fp))
     why = "refreshed"
     if not refresh:
         got, why = cached(fp)
         if got is not None:
             return got
+        recent = _unkept.get(key)
+        if recent is not None and time.monotonic() - recent[0] < UNKEPT_REUSE_S:
+            return recent[1]
         why = why or "no cost profile was kept for this model on this machine: measured once (a few seconds)"
     t1, bk, calm = measure(model, n_threads=n_threads, progress=progress)
     prof = CostProfile(t1, bk, fp, time.time(), REPEATS, why)
@@ -222,7 +232,9 @@ def profile(model: Any, *, n_threads: int, n_gpu_layers: int = 0, rpc: Sequence[
                      f"{bk.get(2, 0.0):.2f}{'' if calm else ', timings unsteady'}); nothing kept, "
                      "`eesd models costs` measures them again")
         prof.plausible = False
+        _unkept[key] = (time.monotonic(), prof)
         return prof
+    _unkept.pop(key, None)
     try:
         write_text_atomic(profile_path(fp), json.dumps(prof.to_json(), indent=1) + "\n")
     except OSError:

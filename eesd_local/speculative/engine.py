@@ -81,8 +81,8 @@ class EngineConfig:
     seed: int = 0  # the controller's seed
     batch_ms: float = BATCH_MS  # run rounds this long in C++ before Python takes them; 0 = one at a time
     # run the exit head on the target's own first N layers (trunk.py) rather than a separate copy of them:
-    # None (default): for eesd and hierarchical, not for auto (on a CPU a split target's plain round costs
-    # ~5% more, and auto mostly runs plain or lookup rounds there; its model drafter stays lazy instead)
+    # None (default): for eesd and hierarchical, and for auto where the cost profile says the exit head can pay
+    # here (measured at load where none is kept; where it cannot, auto is prompt lookup and holds no head)
     shared_trunk: bool | None = None
     # kept for its callers: a new prompt reuses all it shares with the cache either way (engine._prefill)
     cache_reuse: str = "exact"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from eesd_local.base.errors import EesdError
 from eesd_local.gguf import headfile
@@ -18,7 +18,7 @@ from eesd_local.gguf.check import check_gguf
 from eesd_local.gguf.headfile import check_head_for
 from eesd_local.llama import costs, native
 from eesd_local.llama.catalog import resolve_model
-from eesd_local.llama.runtime import default_threads
+from eesd_local.llama.runtime import Model, default_threads
 from eesd_local.llama.trunk import SPLIT_ARCHS
 from eesd_local.speculative.controllers.thompson import CPU_DRAFT_MARGIN
 from eesd_local.speculative.drafters.auto import AutoDrafter
@@ -26,9 +26,6 @@ from eesd_local.speculative.drafters.base import PROTOCOL_MEMBERS, Drafter, Draf
 from eesd_local.speculative.drafters.hierarchical import HierarchicalDrafter
 from eesd_local.speculative.drafters.lookup import LookupDrafter
 from eesd_local.speculative.drafters.model import ModelDrafter
-
-if TYPE_CHECKING:
-    from eesd_local.llama.runtime import Model
 
 __all__ = ["DRAFTERS", "REGISTRY", "AutoDrafter", "Drafter", "DrafterBase", "NoDrafter", "Offer", "Proposal", "LookupDrafter",
            "make_drafter", "n_sources", "shared_trunk_plan"]
@@ -70,10 +67,11 @@ def target_on_cpu(config: Any) -> bool:
     return config.n_gpu_layers == 0 and not config.rpc
 
 
-def auto_head(config: Any, model_path: Any, model: Model | None = None) -> tuple[Any, costs.Verdict | None]:
+def auto_head(config: Any, model_path: Any, model: Model | None = None, *,
+              measure: bool = False) -> tuple[Any, costs.Verdict | None]:
     """The exit head ``auto`` would hold (None: none is known for the model), and whether it could
     ever pay on this machine, from the kept cost profile (measured now with ``model`` where none is
-    kept; without ``model``, None when none is kept)."""
+    kept; without ``model``, with the model loaded for it where ``measure``, else None when none is kept)."""
     head = resolve_head(config.head) if config.head else headfile.find_head(model_path)
     if head is None:
         return None, None
@@ -83,8 +81,14 @@ def auto_head(config: Any, model_path: Any, model: Model | None = None) -> tuple
     place = placement(config)
     if model is None:
         prof, _ = costs.cached(costs.fingerprint(model_path, **place))
-        if prof is None:
+        if prof is None and not measure:
             return head, None
+        if prof is None:
+            loaded = Model(model_path, n_gpu_layers=config.n_gpu_layers, rpc=config.rpc)
+            try:
+                prof = costs.profile(loaded, **place)
+            finally:
+                loaded.close()
     else:
         prof = costs.profile(model, **place)
     # where the target runs on the CPU the controller drafts only where a plan beats plain decoding by
@@ -107,10 +111,13 @@ def shared_trunk_plan(config: Any, model_path: Any) -> tuple[tuple[Any, int] | N
     kind = config.drafter
     wanted = getattr(config, "shared_trunk", None)
     if wanted is None:  # the default: where the exit head drafts every round it may (see EngineConfig.shared_trunk),
-        # and for auto where the kept cost profile says the head can pay here (no second copy of the weights)
+        # and for auto where the cost profile says the head can pay here (no second copy of the weights). With
+        # none kept (a new build or machine) it is measured now, on the model loaded for that alone: deciding
+        # without it held the head as a separate draft model beside a whole target, and each server's first
+        # start after a new build ran auto at 0.73-0.84 of plain llama-server on chat (BENCHMARKS.md)
         wanted = kind in REGISTRY and REGISTRY[kind].head == "always"
         if kind in REGISTRY and REGISTRY[kind].head == "where it pays" and not config.draft_model:
-            wanted = bool((v := auto_head(config, model_path)[1]) and v.pays)
+            wanted = bool((v := auto_head(config, model_path, measure=True)[1]) and v.pays)
     if not wanted or not isinstance(kind, str) or config.draft_model:
         return None, ""
     if kind not in REGISTRY or REGISTRY[kind].head is None:
