@@ -131,9 +131,9 @@ class SignalHold:
 
 
 @contextlib.contextmanager
-def signals_held(hold: SignalHold | None = None) -> Iterator[None]:
+def signals_held() -> Iterator[None]:
     """SIGINT and SIGTERM meanwhile held and delivered on leaving (see :class:`SignalHold`)."""
-    hold = hold or SignalHold()
+    hold = SignalHold()
     hold.hold()
     try:
         yield

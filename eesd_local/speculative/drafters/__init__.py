@@ -81,9 +81,9 @@ def auto_head(config: Any, model_path: Any, model: Model | None = None, *,
     place = placement(config)
     if model is None:
         prof, _ = costs.cached(costs.fingerprint(model_path, **place))
-        if prof is None and not measure:
-            return head, None
         if prof is None:
+            if not measure:
+                return head, None
             loaded = Model(model_path, n_gpu_layers=config.n_gpu_layers, rpc=config.rpc)
             try:
                 prof = costs.profile(loaded, **place)
@@ -113,8 +113,7 @@ def shared_trunk_plan(config: Any, model_path: Any) -> tuple[tuple[Any, int] | N
     if wanted is None:  # the default: where the exit head drafts every round it may (see EngineConfig.shared_trunk),
         # and for auto where the cost profile says the head can pay here (no second copy of the weights). With
         # none kept (a new build or machine) it is measured now, on the model loaded for that alone: deciding
-        # without it held the head as a separate draft model beside a whole target, and each server's first
-        # start after a new build ran auto at 0.73-0.84 of plain llama-server on chat (BENCHMARKS.md)
+        # without it held a head that pays as a separate draft model beside a whole target until the next start
         wanted = kind in REGISTRY and REGISTRY[kind].head == "always"
         if kind in REGISTRY and REGISTRY[kind].head == "where it pays" and not config.draft_model:
             wanted = bool((v := auto_head(config, model_path, measure=True)[1]) and v.pays)
