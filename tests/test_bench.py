@@ -23,6 +23,7 @@ from eesd_local.tools.bench.report import (
     _by_turn,
     _rate,
     _vs,
+    _vs_cell,
     draft_histogram,
     draft_lengths_markdown,
     projected_speedup,
@@ -303,9 +304,27 @@ def test_a_prompt_run_several_times_counts_its_median_run():
     both = slow + [run("auto", "b", r, s) for r, s in enumerate((2.0, 2.0, 2.0))]
     assert _rate(both) == (200, pytest.approx(3.2))
     plain = {(r.category, r.item, r.repeat): r for r in (run("none", i, k, 2.4) for i in "ab" for k in range(3))}
-    assert _vs(both, plain) == pytest.approx(4.8 / 3.2)
+    assert _vs(both, plain, alike=False) == (pytest.approx(4.8 / 3.2), 0)
     multi = [run("auto", "m", k, 1.0, ttft=(0.9, t)) for k, t in enumerate((0.2, 3.0, 0.3))]
     assert _by_turn(multi) == [pytest.approx(0.9), pytest.approx(0.3)]
+
+
+def test_rates_over_llama_server_compare_like_with_like():
+    """Greedy, a prompt counts in a ratio over llama-server's only where both answered alike: end to end, an
+    answer of another length is other work (llama-server's stock kernels turned a chat prompt's near tie into a
+    13-token refusal where ours wrote 96 tokens, and its rate, mostly the prefill, came out a third of ours)."""
+    def run(method, item, text, n, secs):
+        return runner.Run(method, item, "chat", 0, [[1]], [Turn([], text, 0.5, secs, count=n)])
+
+    ref = {("chat", i, 0): r for i, r in (("a", run("serve:llama-server", "a", "x" * 96, 96, 4.0)),
+                                          ("b", run("serve:llama-server", "b", "sorry", 13, 0.6)))}
+    ours = [run("serve:eesd:none", "a", "x" * 96, 96, 3.8), run("serve:eesd:none", "b", "y" * 96, 96, 4.0)]
+    assert _vs(ours, ref, alike=True) == (pytest.approx(4.0 / 3.8), 1)  # prompt b left out
+    assert _vs(ours, ref, alike=False)[0] == pytest.approx((190 / 7.8) / (107 / 4.6))  # counted as it was
+    assert _vs(ours[1:], ref, alike=True) == (None, 1)
+    assert _vs_cell({"vs_llama_server": 1.05, "vs_llama_server_differ": 1}) == "1.05*"
+    assert _vs_cell({"vs_llama_server": None, "vs_llama_server_differ": 1}) == "differ"
+    assert _vs_cell({"vs_llama_server": 0.98, "vs_llama_server_differ": 0}) == "0.98"
 
 
 def test_a_repeat_starts_from_nothing_every_method_kept(tmp_path, qwen05_path, monkeypatch):

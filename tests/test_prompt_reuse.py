@@ -17,6 +17,7 @@ import pytest
 import eesd_local
 from eesd_local import server
 from eesd_local.gguf.tiny import write_tiny_gguf
+from eesd_local.llama import runtime
 from eesd_local.speculative.events import TokenEvent
 from eesd_local.speculative.promptcache import RESTORE_MIN_TOKENS, SLACK, PromptCache
 
@@ -178,6 +179,31 @@ def test_a_prefill_cancelled_between_chunks_keeps_only_whole_chunks_and_changes_
         assert kept == eng.ctx.n_batch and eng.ctx.tokens == prompt[:kept]
         got, cached = _answer(eng, prompt, 8)
         assert got == want and cached == kept
+
+
+@pytest.mark.parametrize("keep", [0, 1, 200, 255, 300, 700])
+def test_a_long_prompt_after_a_cached_prefix_is_cut_where_llama_cpp_pads_its_attention(tiny, keep, monkeypatch):
+    """llama.cpp attends over the KV cells up to the highest used one rounded up to 256: a chunk that ends past a
+    multiple of 256 makes every row of it attend to up to 255 cells more (a 600-token prompt after a one-token cached
+    prefix took 3.7% longer). Chunks before the last end on a multiple of KV_PAD positions; the answer is a fresh
+    process's, however the prompt was cut."""
+    prompt = [int(t) for t in (list(range(100, 420, 3)) + list(range(90, 300, 7))) * 6][:1500]
+    with eesd_local.load(tiny, drafter="none", n_ctx=2048) as eng:
+        want = _answer(eng, prompt, 6)[0]
+        ctx = eng.ctx
+        ctx.clear()
+        ctx.decode(prompt[:keep])
+        ends, real = [], ctx._llama_decode
+
+        def record():
+            ends.append(ctx.n_past + ctx._batch.n_tokens)
+            return real()
+
+        monkeypatch.setattr(ctx, "_llama_decode", record)
+        got, cached = _answer(eng, prompt, 6)
+        assert got == want and cached == keep
+        assert all(end % runtime.KV_PAD == 0 for end in ends[:-1]), ends
+        assert ends[-1] == len(prompt) and all(b - a <= ctx.n_batch for a, b in zip([keep, *ends], ends)), ends
 
 
 class _FakeCtx:

@@ -108,6 +108,13 @@ def keep_kernel_choices() -> None:
         pass  # no writable cache: each process times its shapes
 
 
+# llama.cpp attends over the KV cells up to the highest one used, rounded up to a multiple of 256 (llama_kv_cache::
+# get_n_kv): a chunk of a long input that ends past such a multiple makes every one of its rows attend to up to 255 cells
+# more. So a chunk that is not the last ends on a multiple of KV_PAD positions. A 600-token prompt after a cached prefix
+# of one token (its chunks ending at 513 and 600) took 3.7% longer to decode than from an empty cache (512, 600): 0.5B
+# demo model, 2-core EPYC without AVX-512 (BENCHMARKS.md, "AVX2 EPYC")
+KV_PAD = 256
+
 # what the engine says when greedy output is not exact, by cause
 NOT_EXACT = {
     "build": "this llama.cpp lacks eesd-local's batch-invariant patch (install with scripts/setup.sh)",
@@ -472,8 +479,8 @@ class Context:
                stop: Callable[[], bool] | None = None) -> int:
         """Append ``tokens`` to the cache with logits for the last ``n_logits`` of them.
 
-        Long inputs go in n_batch chunks; the logit rows must all fall into the last
-        chunk. Returns the number of logit rows available through :meth:`logits`.
+        Long inputs go in n_batch chunks, each but the last ending on a multiple of KV_PAD positions where
+        it can; the logit rows must all fall into the last chunk. Returns the number of logit rows available through :meth:`logits`.
         ``stop`` is asked between chunks: when it says so, the decode ends there, the cache holding
         (and :attr:`tokens` recording) the chunks decoded, and no logit row is available (returns -1).
         A context made with ``embd`` is fed ``embd`` (one float32 row per token) instead of
@@ -503,8 +510,10 @@ class Context:
             if start and stop is not None and stop():
                 self._n_out = 0
                 return -1
-            # the last chunk is cut so that it holds every token that wants logits
             size = min(self.n_batch, n - start)
+            if start + size < n and (self.n_past + size) % KV_PAD < size:  # a chunk before the last ends on a multiple
+                size -= (self.n_past + size) % KV_PAD  # of KV_PAD positions (above)
+            # the last chunk is cut so that it holds every token that wants logits
             if start + size < n and n - (start + size) < n_logits:
                 size = max(1, n - start - n_logits)
             chunk = tokens[start : start + size]

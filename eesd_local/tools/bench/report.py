@@ -20,7 +20,7 @@ from typing import Any
 from rich.table import Table
 
 from eesd_local.speculative.events import Stats
-from eesd_local.tools.bench.runner import Results, Run, machine_info
+from eesd_local.tools.bench.runner import Results, Run, machine_info, same_output
 
 ALL = "all"
 REQUIRED_KEYS = ("tokens_per_s", "speedup", "tau", "acceptance_rate", "lossless", "n_prompts", "memory_overhead")
@@ -50,11 +50,19 @@ def _div(a: float, b: float) -> float | None:
     return a / b if b else None
 
 
-def _vs(runs: list[Run], ref_runs: dict[tuple[str, str, int], Run]) -> float | None:
-    """This method's rate over the reference's, on the prompts both ran."""
+def _vs(runs: list[Run], ref_runs: dict[tuple[str, str, int], Run], *, alike: bool) -> tuple[float | None, int]:
+    """This method's rate over the reference's on the prompts both ran, and how many prompts were left out
+    because the answers differ. With ``alike`` (greedy runs) a prompt counts only where both gave the same
+    answers: an answer of another length is other work, and end to end its rate is mostly its prompt's
+    prefill (llama-server's stock kernels broke a near tie at a chat answer's first token into a 13-token
+    refusal where ours wrote 96 tokens: its rate came out a third of ours on the same prompt)."""
     paired = [r for r in runs if (r.category, r.item, r.repeat) in ref_runs]
+    differ = set()
+    if alike:
+        differ = {(r.category, r.item) for r in paired if not same_output(r, ref_runs[(r.category, r.item, r.repeat)])}
+        paired = [r for r in paired if (r.category, r.item) not in differ]
     a, b = _div(*_rate(paired)), _div(*_rate([ref_runs[(r.category, r.item, r.repeat)] for r in paired]))
-    return a / b if a and b else None
+    return (a / b if a and b else None), len(differ)
 
 
 def figures(res: Results, method: str, runs: list[Run], plain: dict[tuple[str, str, int], Run],
@@ -80,6 +88,7 @@ def figures(res: Results, method: str, runs: list[Run], plain: dict[tuple[str, s
         draft_cost = (t_draft / drafted) / per_target_token
     greedy = res.config.temperature == 0
     mismatches = [asdict(r.mismatch) for r in runs if r.mismatch is not None]
+    vs = _vs(runs, (servers or {}).get("serve:llama-server" if method.startswith("serve:") else "llama-server", {}), alike=greedy)
     return {
         "tokens_per_s": _div(n_tok, secs),
         "speedup": 1.0 if method == "none" and runs else (tps_m / tps_r if tps_m and tps_r else None),
@@ -90,8 +99,10 @@ def figures(res: Results, method: str, runs: list[Run], plain: dict[tuple[str, s
         "identical": (len(runs) - len(mismatches) if not info.peer
                       else sum(bool(r.same_as_plain) for r in runs) if any(r.same_as_plain is not None for r in runs)
                       else None) if greedy else None,
-        # tokens/s over plain llama-server's on the same prompts (over serve:llama-server's for serve: methods)
-        "vs_llama_server": _vs(runs, (servers or {}).get("serve:llama-server" if method.startswith("serve:") else "llama-server", {})),
+        # tokens/s over plain llama-server's on the same prompts (over serve:llama-server's for serve: methods), greedy
+        # runs on the prompts where both answered alike; and how many prompts were left out for answering otherwise
+        "vs_llama_server": vs[0],
+        "vs_llama_server_differ": vs[1],
         "mismatches": mismatches,
         "n_prompts": len({(r.category, r.item) for r in runs}),
         "n_runs": len(runs),
@@ -344,19 +355,28 @@ def markdown(res: Results, summary: dict[str, dict[str, dict[str, Any]]]) -> str
 def peers_rows(res: Results, summary: dict[str, dict[str, dict[str, Any]]]) -> tuple[list[str], list[list[str]]] | None:
     """The peers table: one row per method (llama.cpp's, llama-cpp-python's, ours), one column per prompt
     kind: tokens/s over plain llama-server's on the same prompts; then acceptance, tau, identical to its
-    plain reference (llama-server's own for its spec types, ``none`` for ours). None without llama-server."""
-    if "llama-server" not in res.methods and not any(m.startswith("llama-server") for m in res.failures):
+    plain reference (llama-server's own for its spec types, ``none`` for ours). None without llama-server.
+    A ratio marked * leaves out prompts where the two answered otherwise; "differ" where every prompt did."""
+    if not {"llama-server", "serve:llama-server"} & set(res.methods) and not any(
+            m.startswith(("llama-server", "serve:llama-server")) for m in res.failures):
         return None
     cats = [c for c in [*res.categories, ALL] if any(c in v for v in summary.values())]
     head = ["method", *cats, "accept", "tau", "identical to plain"]
     rows = []
     for method, by_cat in summary.items():
         f_all = by_cat.get(ALL) or next(iter(by_cat.values()))
-        rows.append([method, *[_f((by_cat.get(c) or {}).get("vs_llama_server"), ".2f") for c in cats],
+        rows.append([method, *[_vs_cell(by_cat.get(c) or {}) for c in cats],
                      _f(f_all["acceptance_rate"], ".0%"), _f(f_all["tau"], ".2f"), _identical(f_all)])
     for method, why in res.failures.items():
         rows.append([method, *["-"] * len(cats), "-", "-", f"did not run: {why}"])
     return head, rows
+
+
+def _vs_cell(fig: dict[str, Any]) -> str:
+    ratio, differ = fig.get("vs_llama_server"), fig.get("vs_llama_server_differ") or 0
+    if ratio is None:
+        return "differ" if differ else "-"
+    return f"{ratio:.2f}" + ("*" if differ else "")
 
 
 def peers_markdown(res: Results, summary: dict[str, dict[str, dict[str, Any]]]) -> str:
@@ -367,4 +387,7 @@ def peers_markdown(res: Results, summary: dict[str, dict[str, dict[str, Any]]]) 
     lines = ["**tokens/s over plain llama-server's, by prompt kind** (serve: rows over serve:llama-server's)", "",
              "| " + " | ".join(head) + " |", "|---" + "|---:" * (len(head) - 2) + "|---|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
+    if any("*" in cell or cell == "differ" for r in rows for cell in r[1:-3]):
+        lines += ["", "Greedy runs compare like with like: a prompt whose answer differs from the reference's (another "
+                  "length is other work) is left out of that ratio (*: some prompts of the kind were; differ: all were)."]
     return "\n".join(lines) + "\n"

@@ -290,8 +290,8 @@ def _stop_divergence(model: Model, prompt: list[int], plain: list[int], other: l
     return lossless.Divergence(i, a, b, gap, abs(gap) < lossless.NEAR_TIE)
 
 
-def _same_output(run: Run, plain: Run) -> bool:
-    """A peer's answers equal its plain reference's: by tokens where both have them, else by text."""
+def same_output(run: Run, plain: Run) -> bool:
+    """A run's answers equal another's (a peer's plain reference's, say): by tokens where both have them, else by text."""
     for a, b in zip(run.turns, plain.turns, strict=False):
         if (a.tokens or b.tokens) and a.count is None and b.count is None:
             if a.tokens != b.tokens:
@@ -420,7 +420,7 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> Results:
                     if run is not plain and cfg.temperature == 0 and not m.spec.is_peer:
                         run.mismatch = certify(ref, plain, run, s, cfg.n_ctx)
                     elif fam is not None and cfg.temperature == 0:
-                        run.same_as_plain = _same_output(run, fam)
+                        run.same_as_plain = same_output(run, fam)
                     res.runs.append(run)
                 report(done, res.n_planned, f"{item.category}/{item.id} done")
         res.complete = True
