@@ -310,7 +310,7 @@ def test_a_prompt_run_several_times_counts_its_median_run():
 
 
 def test_rates_over_llama_server_compare_like_with_like():
-    """Greedy, a prompt counts in a ratio over llama-server's only where both answered alike: end to end, an
+    """Greedy, a prompt counts in a ratio over llama-server's only where both did the same work: end to end, an
     answer of another length is other work (llama-server's stock kernels turned a chat prompt's near tie into a
     13-token refusal where ours wrote 96 tokens, and its rate, mostly the prefill, came out a third of ours)."""
     def run(method, item, text, n, secs):
@@ -322,6 +322,16 @@ def test_rates_over_llama_server_compare_like_with_like():
     assert _vs(ours, ref, alike=True) == (pytest.approx(4.0 / 3.8), 1)  # prompt b left out
     assert _vs(ours, ref, alike=False)[0] == pytest.approx((190 / 7.8) / (107 / 4.6))  # counted as it was
     assert _vs(ours[1:], ref, alike=True) == (None, 1)
+    # other text of the same size after the same prompt is the same work: two kernels broke a near tie otherwise
+    ref[("chat", "b", 0)] = run("serve:llama-server", "b", "z" * 96, 96, 4.2)
+    assert _vs(ours, ref, alike=True) == (pytest.approx((192 / 7.8) / (192 / 8.2)), 0)
+    # a later turn after an answer of another length re-sends a prompt of another length: other work
+    two = [runner.Run("serve:eesd:none", "c", "chat", 0, [[1], [1] * 40], [Turn([], "x", 0.5, 1.0, count=8)] * 2)]
+    ref2 = {("chat", "c", 0): runner.Run("serve:llama-server", "c", "chat", 0, [[1], [1] * 41],
+                                         [Turn([], "y", 0.5, 1.0, count=8)] * 2)}
+    assert _vs(two, ref2, alike=True) == (None, 1)
+    ref2[("chat", "c", 0)].prompts[1].pop()  # prompts as long: counted
+    assert _vs(two, ref2, alike=True) == (pytest.approx(1.0), 0)
     assert _vs_cell({"vs_llama_server": 1.05, "vs_llama_server_differ": 1}) == "1.05*"
     assert _vs_cell({"vs_llama_server": None, "vs_llama_server_differ": 1}) == "differ"
     assert _vs_cell({"vs_llama_server": 0.98, "vs_llama_server_differ": 0}) == "0.98"
