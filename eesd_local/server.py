@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
-import importlib.util
 import ipaddress
 import json
 import queue
@@ -777,17 +776,11 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 def server_config(app: ASGIApp, *, host: str, port: int, log_level: str) -> uvicorn.Config:
-    """uvicorn's settings for ``eesd serve``: httptools' HTTP parser and uvloop's event loop where installed (the
-    package depends on both; uvloop has no Windows build), else uvicorn's pure-Python h11 and asyncio. On a 2-core
-    EPYC a request with a cached prompt and a one-token answer took 53.4 ms with h11 and asyncio, 50.7 with these
-    (the one-token decode alone: 46): the event loop's work shares the cores with the decode."""
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                          loop="uvloop" if _installed("uvloop") else "asyncio",
-                          http="httptools" if _installed("httptools") else "h11")
-
-
-def _installed(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
+    """uvicorn's settings for ``eesd serve``. Its defaults take httptools' HTTP parser and uvloop's event loop where
+    installed (the package depends on both; uvloop has no Windows build), else its pure-Python h11 and asyncio. On a
+    2-core EPYC a request with a cached prompt and a one-token answer took 53.4 ms with h11 and asyncio, 50.7 with
+    these (the one-token decode alone: 46): the event loop's work shares the cores with the decode."""
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 
 
 def serve(engine: Engine, *, model_id: str, aliases: tuple[str, ...] = (), host: str = "127.0.0.1", port: int = 8080,
