@@ -10,8 +10,14 @@ system prompt. llama-server runs with its stock kernels (GGML_CPU_EXACT_ROWS=0, 
 EESD_LLAMA_TOOLS or build/llama-tools (`python scripts/llama_build.py tools`); `--inproc` adds the engine in
 this process (no HTTP) as a third column. Medians over the rounds.
 
+`--turns` times the later turns of multi-turn chats instead (the bench's edits, rework and agent sets): each
+round every server gets turn 1 with a new prefix, then each later turn after it, one token answered a turn, the
+assistant's earlier turns the same text for every server (this process's greedy 64-token answer to the first
+round's conversation), so every server prefills the same tokens (that answer and the new message) after the same
+cached prefix; the table gives each later turn's time to the first token.
+
 usage: python scripts/serve_ab.py [--model qwen2.5-coder-0.5b-instruct] [--drafter none] [--rounds 3]
-                                  [--max-tokens 128] [--cold] [--inproc]
+                                  [--max-tokens 128] [--cold] [--inproc] [--turns]
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import eesd_local  # noqa: E402
 from eesd_local.llama.catalog import resolve_model  # noqa: E402
 from eesd_local.tools.bench.methods import EngineMethod, Sampling, parse_methods  # noqa: E402
-from eesd_local.tools.bench.prompts import chat_set, code_set  # noqa: E402
+from eesd_local.tools.bench.prompts import agent_set, chat_set, code_set, edits_set, rework_set  # noqa: E402
 from eesd_local.tools.bench.runner import run_order  # noqa: E402
 from eesd_local.tools.bench.servers import HttpPeer  # noqa: E402
 
@@ -40,8 +46,11 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--cold", action="store_true", help="a new prefix on the user's message every round")
     ap.add_argument("--inproc", action="store_true", help="the engine in this process too")
+    ap.add_argument("--turns", action="store_true", help="time the later turns of multi-turn chats (see above)")
     args = ap.parse_args()
     model = Path(resolve_model(args.model))
+    if args.turns:
+        return later_turns(args, model)
 
     with eesd_local.load(str(model), drafter="none") as eng:
         def tokens(messages, r):
@@ -96,6 +105,66 @@ def main() -> int:
             tot = sum(n for _, n, _, _ in res[name]) / sum(t for _, _, t, _ in res[name])
             ref = sum(n for _, n, _, _ in res[base]) / sum(t for _, _, t, _ in res[base])
             print(f"{name}: {tot:.2f} tok/s end to end over every request, {tot / ref:.3f} of llama-server's {ref:.2f}")
+    return 0
+
+
+ANSWER = 64  # tokens of each earlier answer in --turns
+
+
+def later_turns(args: argparse.Namespace, model: Path) -> int:
+    """Each round, every server: turn 1 (a new prefix), then the later turns, one token each; the time to the first
+    token of each later turn, by kind."""
+    items = [s()[0] for s in (edits_set, rework_set, agent_set)]
+    with eesd_local.load(str(model), drafter="none") as eng:
+        answers = {}  # (item, turn): this engine's greedy answer to the conversation's first round, ANSWER tokens
+
+        def conversation(item, r):
+            """Token lists of each turn's prompt, the assistant's earlier turns the answers of round 0's."""
+            msgs, out = [], []
+            for t, text in enumerate(item.turns):
+                msgs.append({"role": "user", "content": f"({r + 1}) {text}" if t == 0 else text})
+                out.append(eng.tokenize(eng.apply_chat_template(msgs)))
+                if (item.id, t) not in answers:
+                    answers[item.id, t] = eng.create_completion(out[-1], max_tokens=ANSWER, temperature=0.0)["choices"][0]["text"]
+                msgs.append({"role": "assistant", "content": answers[item.id, t]})
+            return out
+        convs = [(it.category, [conversation(it, r) for r in range(args.rounds + 1)]) for it in items]
+    peers = {f"eesd serve --drafter {args.drafter}": HttpPeer(parse_methods(f"serve:eesd:{args.drafter}")[-1], model,
+                                                            n_ctx=4096, n_threads=2, n_gpu_layers=0, draft_model=None,
+                                                            draft_max=8),
+             "llama-server": HttpPeer(parse_methods("serve:llama-server")[-1], model, n_ctx=4096, n_threads=2,
+                                      n_gpu_layers=0, draft_model=None, draft_max=8)}
+    if args.inproc:
+        engine = eesd_local.load(str(model), drafter=args.drafter, n_ctx=4096, draft_max=8)
+        peers["in process"] = EngineMethod(parse_methods(args.drafter)[-1], engine)
+    one = Sampling(max_tokens=1, temperature=0.0, top_k=0, top_p=1.0, seed=None)
+    res: dict[str, list[tuple[str, int, float]]] = {name: [] for name in peers}  # (kind, turn, seconds to the first token)
+    try:
+        for peer in peers.values():  # warm-up: a conversation none of the rounds sends
+            for prompt in convs[0][1][args.rounds]:
+                peer.generate(prompt, one)
+        names = list(peers)
+        for r in range(args.rounds):
+            for i, (kind, per_round) in enumerate(convs):
+                for name in run_order(names, r, i):
+                    for t, prompt in enumerate(per_round[r]):
+                        turn = peers[name].generate(prompt, one)
+                        if t:
+                            res[name].append((kind, t + 1, turn.t_prefill))
+    finally:
+        for peer in peers.values():
+            peer.close()
+    keys = sorted({(k, t) for k, t, _ in res[names[0]]}, key=lambda kt: ([c for c, _ in convs].index(kt[0]), kt[1]))
+    print(f"seconds to the first token of a later turn, median of {args.rounds} rounds")
+    print(f"{'turn':14s} " + " ".join(f"{n[:24]:>24s}" for n in peers) + "  ratio to llama-server")
+    for kind, t in keys:
+        med = {n: statistics.median(f for k, tt, f in res[n] if (k, tt) == (kind, t)) for n in peers}
+        print(f"{kind + ' ' + str(t):14s} " + " ".join(f"{med[n]:24.3f}" for n in peers) + "  "
+              + " ".join(f"{med[n] / med['llama-server']:.3f}" for n in peers if n != "llama-server"))
+    for name in peers:
+        if name != "llama-server":
+            tot = sum(f for *_, f in res[name]) / sum(f for *_, f in res["llama-server"])
+            print(f"{name}: later turns' time to the first token, all rounds, {tot:.3f} of llama-server's")
     return 0
 
 
