@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -63,15 +64,7 @@ def main() -> int:
                 prompts.append((item.category, [tokens(item.messages, r) for r in range(args.rounds + 1)]))
         prompts.append(("code", [tokens(code_set()[0].messages, r) for r in range(args.rounds + 1)]))
 
-    def http(method: str) -> HttpPeer:
-        return HttpPeer(parse_methods(method)[-1], model, n_ctx=4096, n_threads=2, n_gpu_layers=0, draft_model=None,
-                        draft_max=8)
-
-    peers = {f"eesd serve --drafter {args.drafter}": http(f"serve:eesd:{args.drafter}"),
-             "llama-server": http("serve:llama-server")}
-    if args.inproc:
-        engine = eesd_local.load(str(model), drafter=args.drafter, n_ctx=4096, draft_max=8)
-        peers["in process"] = EngineMethod(parse_methods(args.drafter)[-1], engine)
+    peers = make_peers(args, model)
     s = Sampling(max_tokens=args.max_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=None)
     res = {name: [] for name in peers}  # (kind, tokens, seconds, first-token seconds)
     try:
@@ -111,6 +104,20 @@ def main() -> int:
 ANSWER = 64  # tokens of each earlier answer in --turns
 
 
+def make_peers(args: argparse.Namespace, model: Path) -> dict[str, Any]:
+    """`eesd serve` with ``--drafter``, plain llama-server, and with ``--inproc`` the engine in this process."""
+    def http(method: str) -> HttpPeer:
+        return HttpPeer(parse_methods(method)[-1], model, n_ctx=4096, n_threads=2, n_gpu_layers=0, draft_model=None,
+                        draft_max=8)
+
+    peers: dict[str, Any] = {f"eesd serve --drafter {args.drafter}": http(f"serve:eesd:{args.drafter}"),
+                             "llama-server": http("serve:llama-server")}
+    if args.inproc:
+        engine = eesd_local.load(str(model), drafter=args.drafter, n_ctx=4096, draft_max=8)
+        peers["in process"] = EngineMethod(parse_methods(args.drafter)[-1], engine)
+    return peers
+
+
 def later_turns(args: argparse.Namespace, model: Path) -> int:
     """Each round, every server: turn 1 (a new prefix), then the later turns, one token each; the time to the first
     token of each later turn, by kind."""
@@ -129,14 +136,7 @@ def later_turns(args: argparse.Namespace, model: Path) -> int:
                 msgs.append({"role": "assistant", "content": answers[item.id, t]})
             return out
         convs = [(it.category, [conversation(it, r) for r in range(args.rounds + 1)]) for it in items]
-    peers = {f"eesd serve --drafter {args.drafter}": HttpPeer(parse_methods(f"serve:eesd:{args.drafter}")[-1], model,
-                                                            n_ctx=4096, n_threads=2, n_gpu_layers=0, draft_model=None,
-                                                            draft_max=8),
-             "llama-server": HttpPeer(parse_methods("serve:llama-server")[-1], model, n_ctx=4096, n_threads=2,
-                                      n_gpu_layers=0, draft_model=None, draft_max=8)}
-    if args.inproc:
-        engine = eesd_local.load(str(model), drafter=args.drafter, n_ctx=4096, draft_max=8)
-        peers["in process"] = EngineMethod(parse_methods(args.drafter)[-1], engine)
+    peers = make_peers(args, model)
     one = Sampling(max_tokens=1, temperature=0.0, top_k=0, top_p=1.0, seed=None)
     res: dict[str, list[tuple[str, int, float]]] = {name: [] for name in peers}  # (kind, turn, seconds to the first token)
     try:
@@ -154,7 +154,7 @@ def later_turns(args: argparse.Namespace, model: Path) -> int:
     finally:
         for peer in peers.values():
             peer.close()
-    keys = sorted({(k, t) for k, t, _ in res[names[0]]}, key=lambda kt: ([c for c, _ in convs].index(kt[0]), kt[1]))
+    keys = [(kind, t) for kind, per_round in convs for t in range(2, len(per_round[0]) + 1)]
     print(f"seconds to the first token of a later turn, median of {args.rounds} rounds")
     print(f"{'turn':14s} " + " ".join(f"{n[:24]:>24s}" for n in peers) + "  ratio to llama-server")
     for kind, t in keys:
