@@ -254,6 +254,19 @@ PYBIND11_MODULE(_native, m) {
         py::arg("history"), py::arg("ngram_min"), py::arg("ngram_max"), py::arg("max_n"),
         "Prompt lookup over history: (continuation of up to max_n tokens, n of the matched n-gram, match length); "
         "an ambiguous n-gram's match length is 1.");
+    m.def(
+        "reference_at",
+        [](const std::vector<llama_token>& history, int n_answer, const std::vector<llama_token>& reference, int expect,
+           int min_match, int cap) {
+            if (n_answer < 0 || n_answer > static_cast<int>(history.size())) throw py::value_error("n_answer must be within the history");
+            int match = 0;
+            int at = eesd::reference_at(history.data(), static_cast<int>(history.size()), n_answer, reference.data(),
+                                        static_cast<int>(reference.size()), expect, min_match, cap, match);
+            return py::make_tuple(at, match);
+        },
+        py::arg("history"), py::arg("n_answer"), py::arg("reference"), py::arg("expect"), py::arg("min_match"), py::arg("cap"),
+        "Where a prediction (reference) goes on after history, whose last n_answer tokens are the answer so far, as the "
+        "round realigns it: (position, -1 for nowhere; the match's length).");
     m.def("match_confidence", &eesd::match_confidence, py::arg("n"), py::arg("ngram_max"),
           "A matched n-gram's confidence, n / (ngram_max + 1); 0 for no match.");
     m.def(

@@ -16,10 +16,10 @@ without the model: each round proposes the prediction's continuation (if the rul
 to K tokens of it, keeps the common prefix with the recorded answer and emits one more; a round of b rows
 costs B(b) decodes, from this CPU's kind of profile (`cpu`: B(k) as measured on a 2-core EPYC without
 AVX-512, BENCHMARKS.md) or a flat one (`flat`: a memory-bound device, B(k) ~ 1). The rules: realign on
-a match of at least N tokens of the answer's end (the engine's rule: N = 3, native/rounds.hpp
-REF_MIN_MATCH), and "window": the engine's rule, and where it finds nothing the answer's last token looked
-for just ahead of where the prediction was expected (a changed stretch of the same length), drafting K1
-tokens from there. Fixed draft lengths stand in for the controller's plan: compare rules, not figures.
+a match of at least N tokens of the answer's end (the round's own search, native/verify.hpp reference_at;
+the engine realigns on N = 3, native/rounds.hpp REF_MIN_MATCH), and "window": the engine's rule, and
+where it finds nothing the answer's last token looked for just ahead of where the prediction was expected
+(a changed stretch of the same length), drafting K1 tokens from there. Fixed draft lengths stand in for the controller's plan: compare rules, not figures.
 """
 
 from __future__ import annotations
@@ -32,10 +32,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import eesd_local  # noqa: E402
+from eesd_local.llama import native  # noqa: E402
 from eesd_local.speculative.events import TokenEvent  # noqa: E402
 from eesd_local.tools.bench.prompts import predict_set, prediction_for  # noqa: E402
 
 MODEL = "qwen2.5-coder-0.5b-instruct"
+MATCH_CAP = 64  # matches measured up to this many tokens (native/verify.hpp MATCH_CAP)
+NATIVE = native.require()  # the round's own realignment (native/verify.hpp reference_at)
 # B(b) of the 0.5B on the 2-core EPYC without AVX-512 (BENCHMARKS.md, its section's part 1; 6, 7, 9 interpolated)
 CPU_B = {1: 1.0, 2: 1.46, 3: 1.89, 4: 2.39, 5: 2.94, 6: 3.4, 7: 3.9, 8: 4.36, 9: 4.9, 16: 8.6, 17: 9.1}
 
@@ -83,27 +86,13 @@ def _cost(b: int, kind: str) -> float:
     return CPU_B.get(b, 0.54 * b)
 
 
-def _realign(h: list[int], r: list[int], expect: int, min_match: int, cap: int = 64) -> int:
-    """Where r goes on after history h (the answer so far), as native/verify.hpp reference_at finds it; -1: nowhere."""
-    if len(h) <= len(r) and h == r[: len(h)]:
-        return len(h) if len(h) < len(r) else -1
-    best, best_l = -1, 0
-    for e in range(len(r) - 1):
-        n = 0
-        while n < cap and n <= e and n < len(h) and r[e - n] == h[len(h) - 1 - n]:
-            n += 1
-        if n >= min_match and (n > best_l or (n == best_l and abs(e + 1 - expect) < abs(best - expect))):
-            best, best_l = e + 1, n
-    return best
-
-
 def _replay(a: list[int], r: list[int], kind: str, *, k: int, min_match: int, window: int = 0, k1: int = 0) -> float:
     """Decodes' worth of time the answer a takes with prediction r under one rule."""
     i, cost, expect, expect_at = 0, 0.0, 0, 0
     while i < len(a):
         h = a[:i]
         want = expect + (i - expect_at)
-        at, n_draft = _realign(h, r, want, min_match), k
+        at, n_draft = NATIVE.reference_at(h, i, r, want, min_match, MATCH_CAP)[0], k
         if at < 0 and window and i:
             at = next((e + 1 for e in range(max(0, want - 1), min(len(r) - 1, want + window)) if r[e] == h[-1]), -1)
             n_draft = k1

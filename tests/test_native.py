@@ -142,6 +142,26 @@ def test_lookup_match_is_the_index_reference():
     assert _native.match_confidence(3, 4) == match_confidence(3, 4)
 
 
+def test_reference_at_realigns_a_prediction():
+    """Where a request's prediction goes on (native/verify.hpp reference_at, the round's realignment): from the
+    answer's length while the answer is the prediction's start, else after the longest suffix of the history found
+    in it (min_match tokens at least, ties to the end nearest where the answer was expected), nowhere past its end."""
+    ref = [10, 11, 12, 13, 5, 6, 7, 14, 15, 5, 6, 7, 16]
+    prompt = [1, 2, 3]
+    assert _native.reference_at(prompt, 0, ref, 0, 3, 64) == (0, 1)  # nothing answered yet: from the start
+    assert _native.reference_at(prompt + ref[:4], 4, ref, 0, 3, 64) == (4, 4)  # the answer so far is its start
+    assert _native.reference_at(prompt + ref, len(ref), ref, 0, 3, 64) == (-1, len(ref))  # all of it answered
+    changed = prompt + [10, 11, 99, 5, 6, 7]  # left it, then came back: both copies of 5 6 7 match 3 tokens
+    assert _native.reference_at(changed, 6, ref, 7, 3, 64) == (7, 3)
+    assert _native.reference_at(changed, 6, ref, 12, 3, 64) == (12, 3)  # the tie goes to the nearer end
+    assert _native.reference_at(changed, 6, ref, 7, 4, 64)[0] == -1  # shorter than min_match: nowhere
+    longer = prompt + [13, 5, 6, 7]  # 4 tokens match before the first copy, 3 before the second
+    assert _native.reference_at(longer, 4, ref, 12, 1, 64) == (7, 4)  # the longest match wins, however far
+    assert _native.reference_at(longer, 4, ref, 12, 2, 2) == (12, 2)  # counted up to cap: a tie again
+    with pytest.raises(ValueError):
+        _native.reference_at(prompt, 4, ref, 0, 3, 64)
+
+
 def test_token_rng_is_splitmix64():
     rng = TokenRNG(1234567)  # the reference outputs of splitmix64 from this seed
     for z in (6457827717110365317, 3203168211198807973, 9817491932198370423):
